@@ -1,0 +1,26 @@
+"""hf_tangent: tangential and retraction FFN updates for Hugging Face causal LMs.
+
+    import hf_tangent as ht
+    model = ht.patch(model, ht.TangentConfig(update="projected"))
+
+Importing this package changes nothing: every patch is per model instance.
+"""
+
+from ._version import __version__
+from .config import TangentConfig
+from .patching import get_config, patch, tangent_layers, unpatch
+from .registry import ArchitectureSpec, register_architecture, supported_model_types
+from .serialization import from_pretrained
+
+__all__ = [
+    "ArchitectureSpec",
+    "TangentConfig",
+    "__version__",
+    "from_pretrained",
+    "get_config",
+    "patch",
+    "register_architecture",
+    "supported_model_types",
+    "tangent_layers",
+    "unpatch",
+]

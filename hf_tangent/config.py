@@ -1,0 +1,171 @@
+"""`TangentConfig`: what a patch does, validated on construction, round-tripped through JSON.
+
+The defaults reproduce the unpatched model (update="add", alpha=1, no gates, nothing parallel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._version import __version__
+
+UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "retract")
+# Named retractions of math.md section 2, as the p of theta_p(t) = p * atan(t / p).
+RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
+EPS_MODES = ("absolute", "relative")
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"TangentConfig.{name}={value!r} is not valid; accepted: {accepted}.")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _index_tuple(name: str, value: Any) -> tuple[int, ...]:
+    accepted = "a list of layer indices (ints, negative counts from the end)"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        _fail(name, value, accepted)
+    items = tuple(value)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
+        _fail(name, value, accepted)
+    return tuple(int(i) for i in items)
+
+
+@dataclass
+class TangentConfig:
+    """Settings of one hf_tangent patch. See docs/math.md for every formula."""
+
+    update: str = field(
+        default="add",
+        metadata={"help": "FFN update rule: " + ", ".join(UPDATES) + ". 'add' is the unmodified model."},
+    )
+    beta: float = field(
+        default=1.0, metadata={"help": "'soft' only: y - beta*c*x, 0 <= beta <= 1 (1 = hard projection)."}
+    )
+    p: float = field(
+        default=1.0,
+        metadata={"help": "'retract' only: angle map theta = p*atan(t/p), p > 0; 1 = projection, "
+                          "2 = Cayley, inf = exponential map."},
+    )
+    retraction: str | None = field(
+        default=None,
+        metadata={"help": "'retract' only: alias for p, one of " + ", ".join(RETRACTIONS) + "."},
+    )
+    alpha: float = field(default=1.0, metadata={"help": "Residual multiplier: x + alpha * y_used."})
+    eps: float = field(
+        default=1e-6,
+        metadata={"help": "Stabiliser of ||x||^2 + eps (float32); with eps_mode='relative' it is "
+                          "eps * mean(||x||^2) over the tokens of the call."},
+    )
+    eps_mode: str = field(default="absolute", metadata={"help": "'absolute' or 'relative' eps."})
+    layers: tuple[int, ...] | None = field(
+        default=None, metadata={"help": "Layer indices to patch (negative allowed); None = every layer."}
+    )
+    gates: bool = field(
+        default=False, metadata={"help": "Learnable scalar FFN gate per patched layer, initialised at 1.0."}
+    )
+    parallel_layers: tuple[int, ...] = field(
+        default=(), metadata={"help": "Layers run in parallel-residual form x + A(x) + FFN(Norm(x))."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATES:
+            _fail("update", self.update, ", ".join(repr(u) for u in UPDATES))
+        if not _is_real(self.beta) or not 0.0 <= self.beta <= 1.0:
+            _fail("beta", self.beta, "a number in [0, 1]")
+        if self.retraction is not None:
+            if self.retraction not in RETRACTIONS:
+                _fail("retraction", self.retraction, ", ".join(repr(r) for r in RETRACTIONS) + " or None")
+            if self.update != "retract":
+                _fail("retraction", self.retraction, "None unless update='retract'")
+            implied = RETRACTIONS[self.retraction]
+            if self.p not in (1.0, implied):  # 1.0 is the default: the alias decides
+                raise ValueError(
+                    f"TangentConfig: retraction={self.retraction!r} means p={implied}, but p={self.p!r} "
+                    "was also given; set one of them."
+                )
+            self.p = implied
+        if not _is_real(self.p) or math.isnan(self.p) or self.p <= 0:
+            _fail("p", self.p, "a number > 0, or float('inf') for the exponential map")
+        self.p = float(self.p)
+        if not _is_real(self.alpha) or not math.isfinite(self.alpha):
+            _fail("alpha", self.alpha, "a finite number")
+        if not _is_real(self.eps) or not math.isfinite(self.eps) or self.eps <= 0:
+            _fail("eps", self.eps, "a finite number > 0 (e.g. 1e-6)")
+        if self.eps_mode not in EPS_MODES:
+            _fail("eps_mode", self.eps_mode, ", ".join(repr(m) for m in EPS_MODES))
+        if not isinstance(self.gates, bool):
+            _fail("gates", self.gates, "True or False")
+        if self.layers is not None:
+            self.layers = _index_tuple("layers", self.layers)
+        self.parallel_layers = _index_tuple("parallel_layers", self.parallel_layers)
+
+    # ----------------------------------------------------------------- model-dependent checks
+    def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The patched layer indices, non-negative and sorted, for a model of `num_layers` layers."""
+        if self.layers is None:
+            return tuple(range(num_layers))
+        return _normalize("layers", self.layers, num_layers)
+
+    def resolve_parallel_layers(self, num_layers: int) -> tuple[int, ...]:
+        return _normalize("parallel_layers", self.parallel_layers, num_layers)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the patch cannot change any output (the unmodified residual add)."""
+        return self.update == "add" and self.alpha == 1.0 and not self.gates and not self.parallel_layers
+
+    # ----------------------------------------------------------------- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["layers"] = None if self.layers is None else list(self.layers)
+        out["parallel_layers"] = list(self.parallel_layers)
+        out["p"] = "inf" if math.isinf(self.p) else self.p  # JSON has no Infinity
+        out["hf_tangent_version"] = __version__
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TangentConfig:
+        """Build from a dict written by `to_dict`; keys from newer versions are dropped with a warning."""
+        data = dict(data)
+        data.pop("hf_tangent_version", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(
+                f"TangentConfig: ignoring unknown keys {unknown} (written by a newer hf_tangent?).",
+                stacklevel=2,
+            )
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if isinstance(kwargs.get("p"), str):
+            kwargs["p"] = float(kwargs["p"])
+        return cls(**kwargs)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json_string(cls, text: str) -> TangentConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _normalize(name: str, indices: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    out = []
+    for i in indices:
+        if not -num_layers <= i < num_layers:
+            raise ValueError(
+                f"TangentConfig.{name}: layer index {i} is out of range for a model with {num_layers} "
+                f"layers; accepted: {-num_layers}..{num_layers - 1}."
+            )
+        out.append(i % num_layers)
+    if len(set(out)) != len(out):
+        raise ValueError(f"TangentConfig.{name}={list(indices)} names a layer twice (after resolving negatives).")
+    return tuple(sorted(out))

@@ -1,0 +1,164 @@
+"""Text for evaluation and calibration: the offline Austen corpus, local files, hub datasets.
+
+Calibration and evaluation text are split by document (novel), never by lines, so they cannot
+overlap. The Austen novels are read out of Debian's `r-cran-janeaustenr` package the first time
+they are needed, and cached as UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import tempfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .models import cache_dir
+
+AUSTEN_SPLITS = {
+    "calibration": ("prideprejudice", "sensesensibility", "northangerabbey"),
+    "evaluation": ("emma", "mansfieldpark"),
+}
+AUSTEN_NOVELS = AUSTEN_SPLITS["calibration"] + AUSTEN_SPLITS["evaluation"]
+# Hub datasets by short name: (path, config, text column). Users with a network only.
+HUB_DATASETS = {
+    "wikitext-2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "text"),
+    "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1", "text"),
+    "openwebtext-10k": ("stas/openwebtext-10k", None, "text"),
+}
+
+
+def _has_novels(folder: Path) -> bool:
+    return all((folder / f"{name}.txt").is_file() for name in AUSTEN_NOVELS)
+
+
+def austen_dir() -> Path:
+    """A folder with the Austen novels as <name>.txt: $HF_TANGENT_AUSTEN_DIR, the cache, or Debian."""
+    override = os.environ.get("HF_TANGENT_AUSTEN_DIR")
+    if override:
+        if not _has_novels(Path(override)):
+            raise FileNotFoundError(f"HF_TANGENT_AUSTEN_DIR={override} lacks some of {[n + '.txt' for n in AUSTEN_NOVELS]}.")
+        return Path(override)
+    target = cache_dir() / "austen"
+    if not _has_novels(target):
+        _extract_austen_from_debian(target)
+    return target
+
+
+def _extract_austen_from_debian(target: Path) -> None:
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        raise RuntimeError(
+            "hf_tangent: the default Austen corpus comes from Debian's r-cran-janeaustenr package, but "
+            "apt-get/dpkg-deb are not available here. Put the novels as UTF-8 files "
+            f"{', '.join(n + '.txt' for n in AUSTEN_NOVELS)} into a folder and set HF_TANGENT_AUSTEN_DIR, "
+            "or pass your own text with --text-files."
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=tmp, capture_output=True, text=True)
+        debs = list(Path(tmp).glob("r-cran-janeaustenr_*.deb"))
+        if result.returncode != 0 or not debs:
+            raise RuntimeError(
+                "hf_tangent: `apt-get download r-cran-janeaustenr` failed (run `apt-get update` first, or set "
+                f"HF_TANGENT_AUSTEN_DIR / pass --text-files):\n{result.stderr.strip()}"
+            )
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(Path(tmp) / "x")], check=True)
+        data = next((Path(tmp) / "x").rglob("janeaustenr/data/Rdata.rdx")).parent
+        novels = read_r_lazyload(data / "Rdata")
+    staging = Path(tempfile.mkdtemp(dir=_mkdir(target.parent), prefix=".austen-"))
+    for name in AUSTEN_NOVELS:
+        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]) + "\n", encoding="utf-8")
+    staging.chmod(0o755)
+    try:
+        os.replace(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not _has_novels(target):
+            raise
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def read_r_lazyload(stem: Path) -> dict:
+    """Objects of an R lazy-load database (stem.rdx index + stem.rdb zlib blobs), via `rdata`."""
+    import rdata
+
+    def parse(raw: bytes):
+        return rdata.conversion.convert(rdata.parser.parse_data(raw))
+
+    index = parse(gzip.decompress(stem.with_suffix(".rdx").read_bytes()))
+    blob = stem.with_suffix(".rdb").read_bytes()
+    out = {}
+    for name, (offset, length) in index["variables"].items():
+        chunk = blob[int(offset) : int(offset) + int(length)]
+        out[str(name)] = parse(zlib.decompress(chunk[4:]))  # 4-byte length header, then zlib
+    return out
+
+
+def austen_files(split: str = "evaluation") -> list[str]:
+    if split not in AUSTEN_SPLITS:
+        raise ValueError(f"unknown Austen split {split!r}; accepted: {', '.join(AUSTEN_SPLITS)}.")
+    folder = austen_dir()
+    return [str(folder / f"{name}.txt") for name in AUSTEN_SPLITS[split]]
+
+
+def load_documents(text_files: Sequence[str] | None = None, dataset: str | None = None, *,
+                   split: str = "evaluation", dataset_split: str = "test", text_column: str | None = None) -> list[str]:
+    """Documents (one string each) from local files, a hub dataset, or the Austen default split."""
+    import datasets
+
+    if text_files and dataset:
+        raise ValueError("pass either text files or a dataset, not both.")
+    if dataset:
+        path, name, column = HUB_DATASETS.get(dataset, (dataset, None, text_column or "text"))
+        try:
+            ds = datasets.load_dataset(path, name, split=dataset_split)
+        except Exception as err:  # offline, unknown name, or no such split: say which
+            raise ValueError(
+                f"could not load dataset {dataset!r} (split {dataset_split!r}): {err}. Short names: "
+                f"{', '.join(HUB_DATASETS)}; without a network use --text-files."
+            ) from err
+        column = text_column or column
+        if column not in ds.column_names:
+            raise ValueError(f"dataset {dataset!r} has no column {column!r}; columns: {ds.column_names}.")
+        # Line-per-row corpora (WikiText) form one document; the split is the hub's own.
+        return ["\n".join(ds[column])]
+    files = list(text_files) if text_files else austen_files(split)
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"text files not found: {missing}")
+    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+    docs = [d for d in ds["text"] if d.strip()]
+    if not docs:
+        raise ValueError(f"the text files {files} hold no text.")
+    return docs
+
+
+def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """Token windows (n, seq_len): documents tokenized, joined with EOS, cut into full blocks."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} is too short; a window needs at least 2 tokens.")
+    if not documents or not any(d.strip() for d in documents):
+        raise ValueError("no text to evaluate: the documents are empty.")
+    needed = None if max_windows is None else max_windows * seq_len
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for doc in documents:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(eos)
+        if needed is not None and len(ids) >= needed:
+            break
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}.")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)  # (n, seq_len)

