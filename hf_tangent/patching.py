@@ -60,10 +60,10 @@ class TangentLayer(nn.Module):
         self._block_input = args[0] if args else next(iter(kwargs.values()))
 
     def _record_x(self, module, args, kwargs):
-        if self.parallel:
+        if self.parallel and self._block_input is not None:
             x, self._block_input = self._block_input, None
             args, kwargs = ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
-        else:
+        else:  # sequential, or the norm called on its own outside the layer's forward
             x = args[0] if args else next(iter(kwargs.values()))
         if self.applies_update:
             self._x = x

@@ -1,0 +1,96 @@
+"""Shared fixtures: random tiny models of every registered architecture, and the real text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+import hf_tangent as ht
+
+VOCAB = 128
+SHARED_AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+
+
+def _llama_kwargs():
+    return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+# name -> (model class, config factory). GPT-NeoX appears twice: parallel (Pythia's default) and sequential.
+TINY = {
+    "gpt2": (GPT2LMHeadModel, lambda: GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=128)),
+    "gpt_neox_parallel": (GPTNeoXForCausalLM, lambda: GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=128, use_parallel_residual=True)),
+    "gpt_neox_sequential": (GPTNeoXForCausalLM, lambda: GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=128, use_parallel_residual=False)),
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_llama_kwargs())),
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**_llama_kwargs(), sliding_window=None)),
+}
+ARCHS = list(TINY)
+
+
+def make_tiny(name: str, seed: int = 0, **config_overrides):
+    cls, make_config = TINY[name]
+    config = make_config()
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    # Random init leaves the FFN output tiny next to the residual; scale the weights up so that
+    # every rule changes the logits visibly and the tests can tell the rules apart.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, VOCAB, (2, 12))  # (batch, seq)
+
+
+def spec_of(model):
+    return ht.registry.get_spec(model.config.model_type)
+
+
+def layer_output(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@pytest.fixture
+def austen_dir() -> Path:
+    """The five novels: ../shared/data/austen when present (tests), else hf_tangent's own copy."""
+    if SHARED_AUSTEN.is_dir():
+        return SHARED_AUSTEN
+    from hf_tangent.data import austen_dir
+
+    return austen_dir()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_austen_env(monkeypatch):
+    # Tests that read the default corpus use ../shared when it exists, without touching the cache.
+    if SHARED_AUSTEN.is_dir() and "HF_TANGENT_AUSTEN_DIR" not in os.environ:
+        monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(SHARED_AUSTEN))
