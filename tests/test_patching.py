@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import ARCHS, layer_output, make_tiny, spec_of
+from conftest import layer_output, make_tiny, spec_of
 
 import hf_tangent as ht
 
