@@ -71,7 +71,7 @@ def _extract_austen_from_debian(target: Path) -> None:
         novels = read_r_lazyload(data / "Rdata")
     staging = Path(tempfile.mkdtemp(dir=_mkdir(target.parent), prefix=".austen-"))
     for name in AUSTEN_NOVELS:
-        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]) + "\n", encoding="utf-8")
+        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
     staging.chmod(0o755)
     try:
         os.replace(staging, target)
@@ -88,10 +88,14 @@ def _mkdir(path: Path) -> Path:
 
 def read_r_lazyload(stem: Path) -> dict:
     """Objects of an R lazy-load database (stem.rdx index + stem.rdb zlib blobs), via `rdata`."""
+    import warnings
+
     import rdata
 
     def parse(raw: bytes):
-        return rdata.conversion.convert(rdata.parser.parse_data(raw))
+        with warnings.catch_warnings():  # rdata cannot tell a bare serialized object from a file
+            warnings.simplefilter("ignore", UserWarning)
+            return rdata.conversion.convert(rdata.parser.parse_data(raw))
 
     index = parse(gzip.decompress(stem.with_suffix(".rdx").read_bytes()))
     blob = stem.with_suffix(".rdb").read_bytes()

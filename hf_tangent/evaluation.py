@@ -16,7 +16,9 @@ def window_nll(model, windows: torch.Tensor, *, batch_size: int = 1, progress=No
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size].to(device)  # (b, T)
         logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (b, T-1, V)
-        nll = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (b, T-1)
+        targets = batch[:, 1:]  # (b, T-1)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        nll = nll.view(targets.shape)  # (b, T-1)
         sums.append(nll.sum(-1).double().cpu())
         if progress is not None:
             progress.update(len(batch))

@@ -113,7 +113,8 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
     else:
         source = name
         if os.path.isdir(name):
-            from .serialization import CONFIG_KEY, from_pretrained
+            from .patching import CONFIG_KEY
+            from .serialization import from_pretrained
 
             with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
                 patched = CONFIG_KEY in json.load(f)

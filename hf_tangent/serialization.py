@@ -18,17 +18,26 @@ import torch
 from safetensors import safe_open
 
 from .config import TangentConfig
-from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers  # noqa: F401 (CONFIG_KEY re-exported)
+from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
 
 
-def read_patch_record(path: str | os.PathLike) -> dict:
-    """The "hf_tangent" record of a saved folder's config.json."""
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder (no config.json).")
-    with open(config_file, encoding="utf-8") as f:
+def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None:
+    """A file of a local folder or of a hub repository (downloaded and cached by transformers)."""
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(str(path), name, _raise_exceptions_for_missing_entries=required, **hub_kwargs)
+    except (OSError, ValueError) as err:  # ValueError: not a valid repo id either (transformers 4.x)
+        if not required:
+            return None
+        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo ({err}).") from err
+
+
+def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
+    """The "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
+    with open(_file(path, "config.json", **hub_kwargs), encoding="utf-8") as f:
         record = json.load(f).get(CONFIG_KEY)
     if record is None:
         raise ValueError(
@@ -38,20 +47,17 @@ def read_patch_record(path: str | os.PathLike) -> dict:
     return record
 
 
-def _saved_gates(path: str | os.PathLike) -> dict[int, torch.Tensor]:
+def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, torch.Tensor]:
     """Gate values by layer index, read from the folder's safetensors files."""
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index_file):
+    index_file = _file(path, "model.safetensors.index.json", required=False, **hub_kwargs)
+    if index_file:
         with open(index_file, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+            names = sorted(set(json.load(f)["weight_map"].values()))
     else:
-        files = ["model.safetensors"]
+        names = ["model.safetensors"]
     gates = {}
-    for name in files:
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            raise ValueError(f"hf_tangent.from_pretrained: {full} is missing; gates are read from safetensors files.")
-        with safe_open(full, framework="pt") as f:
+    for name in names:
+        with safe_open(_file(path, name, **hub_kwargs), framework="pt") as f:
             for key in f.keys():
                 match = _GATE_KEY.search(key)
                 if match:
@@ -72,12 +78,13 @@ def _quiet_transformers_loading():
 
 
 def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
-    """Load a folder written by a patched model's `save_pretrained` and re-apply its patch.
+    """Load a folder (or hub repo) written by a patched model's `save_pretrained`; re-apply its patch.
 
     `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
     (dtype, device_map, attn_implementation, ...).
     """
-    record = read_patch_record(path)
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    record = read_patch_record(path, **hub_kwargs)
     config = TangentConfig.from_dict(record["config"])
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
@@ -92,7 +99,7 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
     num_layers = len(get_spec(model.config.model_type).decoder_layers(model))
     if num_layers != record.get("num_layers"):
         problems.append(f"it was saved for {record.get('num_layers')} layers, the model has {num_layers}")
-    gates = _saved_gates(path) if config.gates else {}
+    gates = _saved_gates(path, **hub_kwargs) if config.gates else {}
     if not problems and config.gates and sorted(gates) != sorted(record.get("patched_layers", [])):
         problems.append(f"gates are saved for layers {sorted(gates)}, the patch gates layers {record.get('patched_layers')}")
     leftover = [k for k in info.get("unexpected_keys", []) if not _GATE_KEY.search(k)]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+
+# Tests never reach the hub (nor does CI): fail fast instead of retrying for seconds.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,93 @@
+"""`hf-tangent eval`: report contents against an independent perplexity, and its errors."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_tangent import cli
+from hf_tangent.data import pack_windows
+from hf_tangent.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64))
+    folder = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_eval_report_matches_an_independent_perplexity(tiny_folder, austen_dir, tmp_path):
+    out = tmp_path / "run"
+    text = str(austen_dir / "emma.txt")
+    code = cli.main(["eval", "--model", str(tiny_folder), "--text-files", text, "--seq-len", "32",
+                     "--max-windows", "3", "--output-dir", str(out), "--updates", "projected", "zero (ablation)"])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert list(rows) == ["unpatched", "projected", "zero (ablation)"]
+    # independent: the model's own loss on each window, token-weighted (equal lengths -> plain mean)
+    model = LlamaForCausalLM.from_pretrained(tiny_folder).eval()
+    windows = pack_windows(load_tokenizer(str(tiny_folder)), [open(text, encoding="utf-8").read()], 32, 3)
+    with torch.no_grad():
+        nll = sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
+    assert rows["unpatched"]["nll"] == pytest.approx(nll, rel=1e-5)
+    assert rows["unpatched"]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
+    assert rows["projected"]["delta_nll"] == pytest.approx(rows["projected"]["nll"] - nll, abs=1e-5)
+    assert rows["zero (ablation)"]["nll"] != rows["unpatched"]["nll"]
+    assert report["tokens_per_variant"] == 3 * 31
+    markdown = (out / "report.md").read_text()
+    assert "| projected |" in markdown and "| unpatched |" in markdown
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--seq-len", "100"], "exceeds the model's context of 64 tokens"),
+        (["--text-files", "/nonexistent.txt"], "text files not found"),
+        (["--seq-len", "1"], "too short"),
+    ],
+)
+def test_eval_errors_are_clear(tiny_folder, tmp_path, capsys, austen_dir, extra, message):
+    args = ["eval", "--model", str(tiny_folder), "--output-dir", str(tmp_path), "--text-files",
+            str(austen_dir / "emma.txt"), "--seq-len", "32", *extra]
+    try:
+        code = cli.main(args)
+    except SystemExit as exit_:
+        code, err = exit_.code, str(exit_)
+    else:
+        err = capsys.readouterr().err
+    assert code not in (0, None)
+    assert message in err
+
+
+def test_eval_text_shorter_than_one_window(tiny_folder, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.")
+    code = cli.main(["eval", "--model", str(tiny_folder), "--text-files", str(short), "--seq-len", "64",
+                     "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and "fewer than one window of seq_len=64" in capsys.readouterr().err
+
+
+def test_console_script_runs_the_offline_default(tmp_path):
+    """The README's main command, at a tiny size: real SmolLM2 weights, held-out Austen text."""
+    exe = [sys.executable, "-m", "hf_tangent.cli"]
+    result = subprocess.run([*exe, "eval", "--max-windows", "1", "--seq-len", "64", "--updates", "projected",
+                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["model"] == "smollm2-135m" and report["text"] == "austen:evaluation"
+    unpatched, projected = report["rows"]
+    assert 1.0 < unpatched["perplexity"] < 200.0  # a pretrained model, not random weights (~49152)
+    assert projected["delta_nll"] == pytest.approx(projected["nll"] - unpatched["nll"])

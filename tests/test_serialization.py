@@ -1,0 +1,132 @@
+"""save_pretrained -> hf_tangent.from_pretrained, checked in a fresh process; mismatched folders."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ARCHS, make_tiny
+from safetensors.torch import load_file, save_file
+
+import hf_tangent as ht
+
+pytestmark = pytest.mark.core
+CONFIG = ht.TangentConfig(update="soft", beta=0.3, layers=[0, -1], gates=True, parallel_layers=[1])
+
+
+def save_patched(arch, path, config=CONFIG):
+    model = make_tiny(arch)
+    if arch == "gpt_neox_parallel":
+        config = ht.TangentConfig.from_dict({**config.to_dict(), "parallel_layers": []})
+    ht.patch(model, config)
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            if child.gate is not None:
+                child.gate.fill_(0.5 + 0.25 * child.index)
+    model.save_pretrained(path)
+    return model
+
+
+def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path, ids):
+    expected = {}
+    for arch in ARCHS:
+        model = save_patched(arch, tmp_path / arch)
+        with torch.no_grad():
+            expected[arch] = model(ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        import hf_tangent as ht
+        ids = torch.load({str(tmp_path / 'ids.pt')!r})
+        out, configs = {{}}, {{}}
+        for arch in {ARCHS!r}:
+            model = ht.from_pretrained({str(tmp_path)!r} + "/" + arch).eval()
+            with torch.no_grad():
+                out[arch] = model(ids).logits
+            configs[arch] = ht.get_config(model).to_dict()
+            configs[arch]["gates"] = [c.gate.item() for c in ht.tangent_layers(model) if c.gate is not None]
+        torch.save(out, {str(tmp_path / 'logits.pt')!r})
+        json.dump(configs, open({str(tmp_path / 'configs.json')!r}, "w"))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "UNEXPECTED" not in result.stderr  # the gate keys are ours, not noise for the user
+    reloaded = torch.load(tmp_path / "logits.pt")
+    configs = json.loads((tmp_path / "configs.json").read_text())
+    for arch in ARCHS:
+        assert torch.equal(reloaded[arch], expected[arch]), arch
+        assert configs[arch]["gates"] == [0.5, 1.0]
+        assert configs[arch]["update"] == "soft" and configs[arch]["beta"] == 0.3
+
+
+def test_saved_folder_is_a_plain_transformers_folder(tmp_path):
+    save_patched("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["hf_tangent"]["patched_layers"] == [0, 2]
+    assert config["hf_tangent"]["config"]["layers"] == [0, -1]
+    weights = load_file(tmp_path / "model.safetensors")
+    assert sorted(k for k in weights if "tangent" in k) == ["model.layers.0.tangent_patch.gate",
+                                                           "model.layers.2.tangent_patch.gate"]
+
+
+def edit_record(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "config":
+            config["hf_tangent"]["config"].update(value)
+        else:
+            config["hf_tangent"][key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_mismatched_saved_patch_is_a_clear_error(tmp_path):
+    save_patched("llama", tmp_path)
+    edit_record(tmp_path, num_layers=30)
+    with pytest.raises(ValueError, match="does not match its model: it was saved for 30 layers, the model has 3"):
+        ht.from_pretrained(tmp_path)
+    edit_record(tmp_path, num_layers=3, model_type="gpt2")
+    with pytest.raises(ValueError, match="saved from model_type 'gpt2', the folder holds 'llama'"):
+        ht.from_pretrained(tmp_path)
+    edit_record(tmp_path, model_type="llama", config={"layers": [0, 7]})
+    with pytest.raises(ValueError, match="layer index 7 is out of range for a model with 3 layers"):
+        ht.from_pretrained(tmp_path)
+    edit_record(tmp_path, config={"layers": [0, -1], "beta": 3.0})
+    with pytest.raises(ValueError, match=r"TangentConfig.beta=3.0 is not valid"):
+        ht.from_pretrained(tmp_path)
+
+
+def test_missing_gates_are_a_clear_error(tmp_path):
+    save_patched("llama", tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.2.tangent_patch.gate"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"gates are saved for layers \[0\], the patch gates layers \[0, 2\]"):
+        ht.from_pretrained(tmp_path)
+
+
+def test_folder_without_patch_is_a_clear_error(tmp_path):
+    make_tiny("gpt2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="holds no hf_tangent patch"):
+        ht.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a saved model folder"):
+        ht.from_pretrained(tmp_path / "nowhere")
+
+
+def test_unknown_keys_from_a_newer_version_warn(tmp_path, ids):
+    model = save_patched("gpt2", tmp_path)
+    edit_record(tmp_path, config={"newer_option": True})
+    with pytest.warns(UserWarning, match="newer_option"):
+        reloaded = ht.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_plain_transformers_loads_the_base_model(tmp_path, ids):
+    from transformers import AutoModelForCausalLM
+
+    save_patched("llama", tmp_path, ht.TangentConfig(update="projected"))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, make_tiny("llama")(ids).logits)
