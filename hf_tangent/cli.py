@@ -1,137 +1,476 @@
-"""`hf-tangent`: the command line. A thin layer over the library; every subcommand shares the
-options of `common_parser` and writes report.json and report.md into --output-dir."""
+"""`hf-tangent`: the command line, a thin layer over the library.
+
+Every subcommand shares the options of `common_parser`, writes report.json and report.md into
+--output-dir, and takes `--recipe FILE.yaml`: a YAML mapping whose keys are the subcommand's long
+options (dashes or underscores); options given on the command line win over the recipe.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ._version import __version__
 from .models import DEFAULT_MODEL, OFFLINE_MODELS
 
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
 
 def common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("common options")
+    g.add_argument("--recipe", help="YAML recipe (a path, or a name in recipes/); command-line options win")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)}); default {DEFAULT_MODEL}")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--text-files", nargs="+", metavar="FILE",
-                     help="local UTF-8 text files (default: held-out Austen novels)")
+                     help="local UTF-8 text files to evaluate on (default: held-out Austen novels)")
     src.add_argument("--dataset", help="hub dataset: wikitext-2, wikitext-103, openwebtext-10k or a hub path")
-    g.add_argument("--dataset-split", default="test", help="split of --dataset (default test)")
+    g.add_argument("--dataset-split", default="test", help="evaluation split of --dataset (default test)")
     g.add_argument("--output-dir", default="runs/latest", help="where report.json and report.md go")
     g.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    g.add_argument("--max-windows", type=int, default=8, help="windows evaluated (default 8)")
-    g.add_argument("--batch-size", type=int, default=1)
+    g.add_argument("--max-windows", type=int, default=8, help="held-out windows evaluated (default 8)")
+    g.add_argument("--batch-size", type=int, default=1, help="windows per forward pass / per-device train batch")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--seed", type=int, default=0)
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-tangent", description=__doc__)
+def training_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("training options")
+    g.add_argument("--calibration-files", nargs="+", metavar="FILE",
+                   help="training text files (default: the Austen calibration novels; with --text-files only, "
+                        "the last 20%% of the documents are held out)")
+    g.add_argument("--train-windows", type=int, default=64, help="training windows of --seq-len tokens")
+    g.add_argument("--max-steps", type=int, default=50, help="optimizer steps")
+    g.add_argument("--learning-rate", type=float, default=1e-2)
+    g.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    g.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
+                   help="continue from the last checkpoint in --output-dir")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 mixed precision")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--report-to", default="none", help="Trainer logging backend: none, tensorboard, wandb, ...")
+    g.add_argument("--push-to-hub", metavar="REPO_ID", help="publish the output model to the Hub")
+    g.add_argument("--hub-private", action=argparse.BooleanOptionalAction, default=False)
+    return p
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from .evaluation import update_variants
+
+    parser = argparse.ArgumentParser(prog="hf-tangent", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hf_tangent {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .evaluation import update_variants
+    variants = list(update_variants())
+    variant_help = "; ".join(variants)
 
     ev = sub.add_parser("eval", parents=[common_parser()],
                         help="perplexity of the unpatched model and of each update rule on held-out text")
-    ev.add_argument("--updates", nargs="+", choices=list(update_variants()), metavar="NAME",
-                    help="variants to evaluate (default all): " + "; ".join(update_variants()))
+    ev.add_argument("--updates", nargs="+", choices=variants, metavar="NAME",
+                    help=f"variants to evaluate (default all): {variant_help}")
     ev.set_defaults(run=run_eval)
-    return parser
+
+    ca = sub.add_parser("calibrate", parents=[common_parser(), training_parser()],
+                        help="train one scalar FFN gate per layer, all weights frozen (math.md section 5)")
+    ca.add_argument("--update", default="add", help="update rule the gates scale (default add: x + g_l * FFN)")
+    ca.add_argument("--layers", nargs="+", type=int, help="layers to gate (default all)")
+    ca.add_argument("--compare-updates", nargs="*", choices=variants, metavar="NAME", default=[],
+                    help=f"also evaluate these update variants, untrained, on the held-out text: {variant_help}")
+    ca.add_argument("--save-model", action=argparse.BooleanOptionalAction, default=True,
+                    help="write the calibrated model as a Hub repository folder in OUTPUT_DIR/model")
+    ca.set_defaults(run=run_calibrate)
+
+    ft = sub.add_parser("finetune", parents=[common_parser(), training_parser()],
+                        help="the same fine-tuning for the unpatched model and each update rule; perplexity deltas")
+    ft.add_argument("--updates", nargs="+", choices=variants, metavar="NAME",
+                    default=["projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)"],
+                    help=f"update variants trained besides the unpatched model: {variant_help}")
+    ft.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="one run per seed and variant")
+    ft.add_argument("--method", choices=["full", "lora"], default="lora")
+    ft.add_argument("--lora-r", type=int, default=8)
+    ft.add_argument("--lora-alpha", type=int, default=16)
+    ft.add_argument("--lora-targets", nargs="+", default=["q_proj", "v_proj", "up_proj", "down_proj"],
+                    help="LoRA target modules (names of the model's Linear layers)")
+    ft.add_argument("--lr-scheduler", default="cosine")
+    ft.add_argument("--warmup-steps", type=int, default=0)
+    ft.add_argument("--save-models", action=argparse.BooleanOptionalAction, default=False,
+                    help="write every run's final model as a Hub repository folder")
+    ft.set_defaults(run=run_finetune, learning_rate=2e-4)
+    return parser, {"eval": ev, "calibrate": ca, "finetune": ft}
 
 
-def _check_common(args) -> None:
-    if args.seq_len < 2:
-        raise SystemExit(f"hf-tangent: --seq-len {args.seq_len} is too short (at least 2).")
-    if args.max_windows < 1:
-        raise SystemExit(f"hf-tangent: --max-windows {args.max_windows} must be at least 1.")
+# ----------------------------------------------------------------------------- recipes
+def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> list[str]:
+    """A YAML recipe turned into command-line tokens, so argparse checks types and choices."""
+    import yaml
+
+    path = Path(recipe)
+    if not path.is_file() and (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        path = RECIPES_DIR / f"{recipe}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"hf-tangent: recipe {recipe!r} not found (a YAML path, or a name in {RECIPES_DIR}).")
+    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"hf-tangent: recipe {path} must be a YAML mapping of option: value.")
+    options = {a.dest: a for a in subparser._actions if a.option_strings and a.dest not in ("help", "recipe")}
+    command = values.pop("command", None)
+    if command is not None and command != subparser.prog.split()[-1]:
+        raise SystemExit(f"hf-tangent: recipe {path} is for `{command}`, not `{subparser.prog}`.")
+    argv = []
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in options:
+            raise SystemExit(f"hf-tangent: recipe key {key!r} does not exist for `{subparser.prog}`; accepted: "
+                             f"{', '.join(sorted(options))}.")
+        action = options[dest]
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)] if value or action.nargs == "*" else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
-def load_inputs(args):
-    """(model, windows) for the common options; errors before any long work starts."""
-    from .data import load_documents, pack_windows
+def parse_args(argv=None) -> argparse.Namespace:
+    parser, subparsers = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.recipe:
+        # recipe tokens first: options given on the command line come later and win
+        argv = [args.command, *recipe_argv(args.recipe, subparsers[args.command]), *argv[argv.index(args.command) + 1 :]]
+        args = parser.parse_args(argv)
+    for name in ("seq_len", "max_windows", "batch_size", "train_windows", "max_steps", "grad_accum"):
+        value = getattr(args, name, None)
+        if value is not None and value < (2 if name == "seq_len" else 1):
+            raise SystemExit(f"hf-tangent: --{name.replace('_', '-')} {value} is too small "
+                             f"(at least {2 if name == 'seq_len' else 1}).")
+    return args
+
+
+# ----------------------------------------------------------------------------- inputs
+def _load_model(args):
     from .models import load_model
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if context and args.seq_len > context:
-        raise SystemExit(f"hf-tangent: --seq-len {args.seq_len} exceeds the model's context of {context} tokens.")
-    docs = load_documents(args.text_files, args.dataset, split="evaluation", dataset_split=args.dataset_split)
-    windows = pack_windows(tokenizer, docs, args.seq_len, args.max_windows)
-    return model, windows
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context of {context} tokens.")
+    return model, tokenizer
 
 
+def _documents(args, training: bool) -> tuple[list[str], list[str] | None]:
+    """(evaluation documents, calibration documents or None), split by document, never overlapping."""
+    from .data import load_documents
+
+    if args.dataset:
+        evaluation = load_documents(dataset=args.dataset, dataset_split=args.dataset_split)
+        return evaluation, load_documents(dataset=args.dataset, dataset_split="train") if training else None
+    if not training:
+        return load_documents(args.text_files, split="evaluation"), None
+    if args.calibration_files:
+        overlap = set(map(os.path.abspath, args.calibration_files)) & set(map(os.path.abspath, args.text_files or []))
+        if overlap:
+            raise ValueError(f"files used both for calibration and evaluation: {sorted(overlap)}.")
+        evaluation = load_documents(args.text_files, split="evaluation")
+        return evaluation, load_documents(args.calibration_files)
+    if args.text_files:
+        docs = load_documents(args.text_files)
+        if len(docs) < 2:
+            raise ValueError("training needs calibration text separate from the evaluation text: pass "
+                             "--calibration-files, or at least two documents in --text-files (split by document).")
+        held_out = max(1, len(docs) // 5)
+        return docs[-held_out:], docs[:-held_out]
+    return load_documents(split="evaluation"), load_documents(split="calibration")
+
+
+def load_inputs(args, training: bool = False):
+    """(model, tokenizer, eval windows, train windows or None); every input error before long work."""
+    from .data import pack_windows
+
+    model, tokenizer = _load_model(args)
+    evaluation, calibration = _documents(args, training)
+    eval_windows = pack_windows(tokenizer, evaluation, args.seq_len, args.max_windows)
+    train_windows = pack_windows(tokenizer, calibration, args.seq_len, args.train_windows) if training else None
+    return model, tokenizer, eval_windows, train_windows
+
+
+def _environment(args) -> dict:
+    return {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "device": args.device, "dtype": args.dtype, "seed": args.seed}
+
+
+def _world_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+# ----------------------------------------------------------------------------- eval
 def run_eval(args) -> dict:
     from tqdm.auto import tqdm
 
-    from .evaluation import perplexity, update_variants
-    from .patching import patch, unpatch
+    from .evaluation import evaluate_variants, update_variants
 
-    variants = update_variants()
-    names = args.updates or list(variants)
-    if "unpatched" not in names:
-        names = ["unpatched", *names]
-    model, windows = load_inputs(args)
-    rows = []
+    names = args.updates or list(update_variants())
+    model, _, windows, _ = load_inputs(args)
     start = time.time()
-    with tqdm(total=len(names) * len(windows), desc="hf-tangent eval", unit="window") as bar:
-        for name in names:
-            bar.set_postfix_str(name)
-            if variants[name] is not None:
-                patch(model, variants[name])
-            try:
-                result = perplexity(model, windows, batch_size=args.batch_size, progress=bar)
-            finally:
-                unpatch(model)
-            rows.append({"variant": name, "config": None if variants[name] is None else variants[name].to_dict(),
-                         "nll": result["nll"], "perplexity": result["perplexity"], "tokens": result["tokens"]})
-    base = rows[0]
-    for row in rows:
-        row["delta_nll"] = row["nll"] - base["nll"]
-        row["delta_perplexity"] = row["perplexity"] - base["perplexity"]
+    with tqdm(total=len(set(names) | {"unpatched"}) * len(windows), desc="hf-tangent eval", unit="window") as bar:
+        rows = evaluate_variants(model, windows, names, batch_size=args.batch_size, progress=bar)
     report = {
-        "command": "eval", "hf_tangent_version": __version__, "model": args.model, "dtype": args.dtype,
-        "device": args.device, "text": args.text_files or args.dataset or "austen:evaluation",
-        "seq_len": args.seq_len, "windows": len(windows), "tokens_per_variant": base["tokens"],
-        "seed": args.seed, "seconds": round(time.time() - start, 1), "torch": torch.__version__,
-        "python": platform.python_version(), "rows": rows,
+        "command": "eval", "model": args.model, "text": args.text_files or args.dataset or "austen:evaluation",
+        "seq_len": args.seq_len, "windows": len(windows), "tokens_per_variant": rows[0]["tokens"],
+        "seconds": round(time.time() - start, 1), **_environment(args), "rows": rows,
     }
     write_report(args.output_dir, report, eval_markdown(report))
     return report
 
 
+def variants_table(rows: list[dict]) -> str:
+    lines = ["| variant | NLL | perplexity | delta NLL | delta perplexity |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['nll']:.4f} | {r['perplexity']:.3f} | {r['delta_nll']:+.4f} | "
+                     f"{r['delta_perplexity']:+.3f} |")
+    return "\n".join(lines)
+
+
 def eval_markdown(report: dict) -> str:
-    lines = [
+    return "\n".join([
         f"# hf-tangent eval: {report['model']}",
         "",
         f"Text: {report['text']}; {report['windows']} windows x {report['seq_len']} tokens "
         f"({report['tokens_per_variant']} predicted tokens per variant); dtype {report['dtype']}, "
-        f"device {report['device']}, {report['seconds']} s.",
+        f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained.",
         "",
-        "| variant | NLL | perplexity | delta NLL | delta perplexity |",
-        "|---|---:|---:|---:|---:|",
+        variants_table(report["rows"]),
+    ]) + "\n"
+
+
+# ----------------------------------------------------------------------------- calibrate
+def run_calibrate(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from . import plots
+    from .config import TangentConfig
+    from .evaluation import evaluate_variants, perplexity
+    from .hub import push_to_hub, save_hub_folder
+    from .patching import patch
+    from .registry import decoder_layers
+    from .training import freeze_all_but_gates, gate_summary, gate_values, lm_dataset, loss_curve, train
+    from .training import training_arguments as make_training_arguments
+
+    tangent = TangentConfig(update=args.update, layers=args.layers, gates=True)  # validated before any work
+    model, tokenizer, eval_windows, train_windows = load_inputs(args, training=True)
+    tangent.resolve_layers(len(decoder_layers(model)))
+    start = time.time()
+    main = _world_rank() == 0
+    probe = train_windows[: min(len(train_windows), 8)]  # calibration loss before/after, same windows
+    if main:
+        with tqdm(total=(len(args.compare_updates) + 1) * len(eval_windows) + len(probe),
+                  desc="held-out evaluation", unit="window") as bar:
+            table = evaluate_variants(model, eval_windows, args.compare_updates, batch_size=args.batch_size, progress=bar)
+            calibration_before = perplexity(model, probe, batch_size=args.batch_size, progress=bar)
+    patch(model, tangent)
+    freeze_all_but_gates(model)
+    training_args = make_training_arguments(
+        os.path.join(args.output_dir, "checkpoints"), max_steps=args.max_steps, learning_rate=args.learning_rate,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, seed=args.seed, save_steps=args.save_steps,
+        bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, device=args.device,
+        report_to=args.report_to)
+    trainer = train(model, lm_dataset(train_windows), training_args, resume=args.resume)
+    if not trainer.is_world_process_zero():
+        return {}
+    model.eval()
+    gated = perplexity(model, eval_windows, batch_size=args.batch_size)
+    calibration_after = perplexity(model, probe, batch_size=args.batch_size)
+    natural = table[0]
+    gates = gate_values(model)
+    summary = gate_summary(gates)
+    os.makedirs(args.output_dir, exist_ok=True)
+    plots.gate_profile(gates, os.path.join(args.output_dir, "gate_profile.png"),
+                       title=f"Calibrated FFN gates: {args.model}")
+    curve = loss_curve(trainer)
+    plots.loss_curves({"gates": [curve]}, os.path.join(args.output_dir, "loss_curve.png"), title="Calibration loss")
+    report = {
+        "command": "calibrate", "model": args.model, "tangent_config": tangent.to_dict(),
+        "text": {"evaluation": args.text_files or args.dataset or "austen:evaluation",
+                 "calibration": args.calibration_files or (f"{args.dataset}:train" if args.dataset else
+                                                           "held-out split of --text-files" if args.text_files
+                                                           else "austen:calibration")},
+        "seq_len": args.seq_len, "eval_windows": len(eval_windows), "train_windows": len(train_windows),
+        "training": {"max_steps": args.max_steps, "learning_rate": args.learning_rate, "batch_size": args.batch_size,
+                     "grad_accum": args.grad_accum, "world_size": training_args.world_size,
+                     "bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing},
+        "gates": {str(k): v for k, v in gates.items()}, "gate_summary": summary,
+        "heldout": {"natural_nll": natural["nll"], "gated_nll": gated["nll"], "delta_nll": gated["nll"] - natural["nll"],
+                    "natural_perplexity": natural["perplexity"], "gated_perplexity": gated["perplexity"]},
+        "calibration": {"natural_nll": calibration_before["nll"], "gated_nll": calibration_after["nll"],
+                        "windows": len(probe)},
+        "update_variants": table, "loss_curve": curve,
+        "seconds": round(time.time() - start, 1), **_environment(args),
+    }
+    markdown = calibrate_markdown(report)
+    if args.save_model or args.push_to_hub:
+        folder = save_hub_folder(model, os.path.join(args.output_dir, "model"), tokenizer=tokenizer, card={
+            "title": f"{args.model} with calibrated FFN gates (hf_tangent)",
+            "training": _training_card(report), "results": markdown.split("## Held-out", 1)[-1],
+            "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."})
+        report["model_folder"] = str(folder)
+        if args.push_to_hub:
+            push_to_hub(folder, args.push_to_hub, private=args.hub_private)
+            report["pushed_to"] = args.push_to_hub
+    write_report(args.output_dir, report, markdown)
+    return report
+
+
+def _training_card(report: dict) -> str:
+    t = report["training"]
+    return (f"Text: {json.dumps(report['text'])}. {report['train_windows']} training windows of {report['seq_len']} "
+            f"tokens; {t['max_steps']} optimizer steps, learning rate {t['learning_rate']}, batch "
+            f"{t['batch_size']} x {t['grad_accum']} accumulation x {t['world_size']} processes; bf16 {t['bf16']}; "
+            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}.")
+
+
+def calibrate_markdown(report: dict) -> str:
+    s, h, c = report["gate_summary"], report["heldout"], report["calibration"]
+    gates = ", ".join(f"{int(k)}: {v:.3f}" for k, v in report["gates"].items())
+    lines = [
+        f"# hf-tangent calibrate: {report['model']}",
+        "",
+        f"{report['train_windows']} calibration windows, {report['training']['max_steps']} steps, "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s on "
+        f"{report['device']}.",
+        "",
+        "## Gate profile",
+        "",
+        f"mean gate **{s['mean']:.3f}**, min {s['min']:.3f} (layer {s['argmin']}) .. max {s['max']:.3f} "
+        f"(layer {s['argmax']}). Paper: GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009.",
+        "",
+        f"Gates by layer: {gates}",
+        "",
+        "![gate profile](gate_profile.png)",
+        "",
+        "## Held-out loss",
+        "",
+        "| | NLL | perplexity |",
+        "|---|---:|---:|",
+        f"| natural (gates = 1) | {h['natural_nll']:.4f} | {h['natural_perplexity']:.3f} |",
+        f"| calibrated gates | {h['gated_nll']:.4f} | {h['gated_perplexity']:.3f} |",
+        f"| **Delta L** | **{h['delta_nll']:+.4f}** | |",
+        "",
+        f"Calibration windows ({c['windows']}): NLL {c['natural_nll']:.4f} natural -> {c['gated_nll']:.4f} gated.",
     ]
-    for r in report["rows"]:
-        lines.append(f"| {r['variant']} | {r['nll']:.4f} | {r['perplexity']:.3f} | {r['delta_nll']:+.4f} | "
-                     f"{r['delta_perplexity']:+.3f} |")
+    if len(report["update_variants"]) > 1:
+        lines += ["", "## Update rules, untrained, every layer", "", variants_table(report["update_variants"])]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- finetune
+def run_finetune(args) -> dict:
+    from . import plots
+    from .evaluation import perplexity, update_variants
+    from .hub import save_hub_folder
+    from .models import load_model
+    from .patching import patch
+    from .training import lm_dataset, loss_curve, summarize_finetune, train
+    from .training import training_arguments as make_training_arguments
+
+    variants = update_variants()
+    names = ["unpatched", *[n for n in args.updates if n != "unpatched"]]
+    model, tokenizer, eval_windows, train_windows = load_inputs(args, training=True)
+    del model
+    dataset = lm_dataset(train_windows)
+    start = time.time()
+    rows, curves = [], {}
+    main = _world_rank() == 0
+    for seed in args.seeds:
+        for name in names:
+            model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+            if variants[name] is not None:
+                patch(model, variants[name])
+            if args.method == "lora":
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
+                                                         target_modules=args.lora_targets, lora_dropout=0.0))
+            run_dir = os.path.join(args.output_dir, "runs", f"{name.split(' (')[0].replace(' ', '_')}-seed{seed}")
+            training_args = make_training_arguments(
+                run_dir, max_steps=args.max_steps, learning_rate=args.learning_rate, batch_size=args.batch_size,
+                grad_accum=args.grad_accum, seed=seed, save_steps=args.save_steps, bf16=args.bf16,
+                gradient_checkpointing=args.gradient_checkpointing, device=args.device, report_to=args.report_to,
+                lr_scheduler=args.lr_scheduler, warmup_steps=args.warmup_steps)
+            trainer = train(model, dataset, training_args, resume=args.resume)
+            if main:
+                model.eval()
+                result = perplexity(model, eval_windows, batch_size=args.batch_size)
+                curve = loss_curve(trainer)
+                rows.append({"variant": name, "seed": seed, "nll": result["nll"], "perplexity": result["perplexity"],
+                             "final_train_loss": curve[-1][1] if curve else None, "loss_curve": curve})
+                curves.setdefault(name, []).append(curve)
+                if args.save_models:
+                    final = model.merge_and_unload() if args.method == "lora" else model
+                    if variants[name] is not None:
+                        save_hub_folder(final, os.path.join(run_dir, "model"), tokenizer=tokenizer)
+            del model, trainer
+            gc.collect()
+    if not main:
+        return {}
+    summary = summarize_finetune(rows)
+    plots.loss_curves(curves, os.path.join(args.output_dir, "loss_curves.png"),
+                      title=f"{args.method} fine-tuning, {args.model}")
+    report = {
+        "command": "finetune", "model": args.model, "method": args.method, "variants": names, "seeds": args.seeds,
+        "text": {"evaluation": args.text_files or args.dataset or "austen:evaluation",
+                 "calibration": args.calibration_files or "austen:calibration"},
+        "seq_len": args.seq_len, "eval_windows": len(eval_windows), "train_windows": len(train_windows),
+        "training": {"max_steps": args.max_steps, "learning_rate": args.learning_rate, "batch_size": args.batch_size,
+                     "grad_accum": args.grad_accum, "lr_scheduler": args.lr_scheduler, "bf16": args.bf16,
+                     "gradient_checkpointing": args.gradient_checkpointing,
+                     "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "targets": args.lora_targets}
+                     if args.method == "lora" else None},
+        "summary": summary, "runs": rows, "seconds": round(time.time() - start, 1), **_environment(args),
+    }
+    write_report(args.output_dir, report, finetune_markdown(report))
+    return report
+
+
+def finetune_markdown(report: dict) -> str:
+    t = report["training"]
+    lines = [
+        f"# hf-tangent finetune: {report['model']} ({report['method']})",
+        "",
+        f"Same data order, steps ({t['max_steps']}), optimizer (AdamW, lr {t['learning_rate']}, {t['lr_scheduler']}) "
+        f"for every variant; seeds {report['seeds']}; {report['train_windows']} training and "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
+        "",
+        "| variant | seeds | held-out NLL (mean +- sd) | perplexity | delta NLL vs unpatched | delta perplexity | p (paired permutation) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in report["summary"]:
+        p = "" if s["variant"] == "unpatched" else f"{s['p_value']:.3f}"
+        lines.append(f"| {s['variant']} | {s['seeds']} | {s['nll_mean']:.4f} +- {s['nll_std']:.4f} | "
+                     f"{s['perplexity_mean']:.3f} | {s['delta_nll_mean']:+.4f} | {s['delta_perplexity_mean']:+.3f} | {p} |")
+    lines += ["", "With n seeds the exact sign-flip test cannot go below p = 2 / 2^n.", "",
+              "![training loss](loss_curves.png)"]
     return "\n".join(lines) + "\n"
 
 
 def write_report(output_dir: str, report: dict, markdown: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+        json.dump(report, f, indent=2, default=str)
     with open(os.path.join(output_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(markdown)
     print(markdown)
@@ -139,8 +478,7 @@ def write_report(output_dir: str, report: dict, markdown: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    _check_common(args)
+    args = parse_args(argv)
     try:
         args.run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

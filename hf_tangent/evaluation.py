@@ -1,11 +1,17 @@
-"""Perplexity: token-weighted mean next-token NLL over packed windows."""
+"""Perplexity: token-weighted mean next-token NLL over packed windows, or strided sliding windows.
+
+The same aggregate is shipped as an `evaluate` module: `evaluate.load(PERPLEXITY_METRIC)`.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+
+PERPLEXITY_METRIC = os.path.join(os.path.dirname(__file__), "metrics", "tangent_perplexity")
 
 
 @torch.no_grad()
@@ -34,6 +40,32 @@ def perplexity(model, windows: torch.Tensor, **kwargs) -> dict:
             "window_nll": (sums / (windows.shape[1] - 1)).tolist()}
 
 
+@torch.no_grad()
+def strided_perplexity(model, token_ids: torch.Tensor, seq_len: int, stride: int, progress=None) -> dict:
+    """Sliding windows of seq_len tokens moved by `stride`: every token after the first is scored
+    once, with up to seq_len - 1 tokens of context (the overlap is context only)."""
+    if not 0 < stride <= seq_len:
+        raise ValueError(f"stride={stride} must be in 1..seq_len={seq_len}.")
+    ids = token_ids.reshape(-1)
+    device = next(model.parameters()).device
+    nll_sum, tokens, scored_until = 0.0, 0, 1  # token 0 has no context and is never scored
+    for begin in range(0, len(ids) - 1, stride):
+        end = min(begin + seq_len, len(ids))
+        window = ids[begin:end].to(device)[None]  # (1, L)
+        logits = model(input_ids=window, use_cache=False).logits[0, :-1].float()  # (L-1, V)
+        nll = F.cross_entropy(logits, window[0, 1:], reduction="none")  # (L-1,): target positions begin+1..end-1
+        new = end - scored_until  # targets not scored by an earlier window
+        nll_sum += nll[-new:].double().sum().item()
+        tokens += new
+        scored_until = end
+        if progress is not None:
+            progress.update(1)
+        if end == len(ids):
+            break
+    nll = nll_sum / tokens
+    return {"nll": nll, "perplexity": math.exp(nll), "tokens": tokens}
+
+
 def update_variants() -> dict:
     """The update rules compared by `hf-tangent eval`, by display name (None = unpatched)."""
     from .config import TangentConfig
@@ -50,3 +82,36 @@ def update_variants() -> dict:
         "radial (ablation)": TangentConfig(update="radial"),
         "zero (ablation)": TangentConfig(update="zero"),
     }
+
+
+def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = None, *, batch_size: int = 1,
+                      progress=None) -> list[dict]:
+    """Held-out NLL/perplexity of the unpatched model and of each named update variant (applied to
+    every layer, no training), with deltas against the unpatched row. The model is left unpatched."""
+    from .patching import get_config, patch, unpatch
+
+    if get_config(model) is not None:
+        raise ValueError("evaluate_variants expects an unpatched model.")
+    variants = update_variants()
+    names = list(names or variants)
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        raise ValueError(f"unknown update variants {unknown}; accepted: {', '.join(variants)}.")
+    if "unpatched" in names:
+        names.remove("unpatched")
+    rows = []
+    for name in ["unpatched", *names]:
+        if progress is not None:
+            progress.set_postfix_str(name)
+        if variants[name] is not None:
+            patch(model, variants[name])
+        try:
+            result = perplexity(model, windows, batch_size=batch_size, progress=progress)
+        finally:
+            unpatch(model)
+        rows.append({"variant": name, "config": None if variants[name] is None else variants[name].to_dict(),
+                     "nll": result["nll"], "perplexity": result["perplexity"], "tokens": result["tokens"]})
+    for row in rows:
+        row["delta_nll"] = row["nll"] - rows[0]["nll"]
+        row["delta_perplexity"] = row["perplexity"] - rows[0]["perplexity"]
+    return rows

@@ -18,9 +18,9 @@ import warnings
 import torch
 from torch import nn
 
-from . import rules
 from .config import TangentConfig
 from .registry import ArchitectureSpec, get_spec
+from .rules import residual_delta
 
 CHILD_NAME = "tangent_patch"
 CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
@@ -45,7 +45,7 @@ class TangentLayer(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
         c = self.config
-        return rules.residual_delta(
+        return residual_delta(
             x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate
         )
 

@@ -87,6 +87,11 @@ def get_spec(model_type: str) -> ArchitectureSpec:
         ) from None
 
 
+def decoder_layers(model) -> nn.ModuleList:
+    """The decoder layers of any supported model."""
+    return get_spec(model.config.model_type).decoder_layers(model)
+
+
 _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",
                    ffn_norm="post_attention_layernorm", mlp="mlp")
 
