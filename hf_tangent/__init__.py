@@ -8,6 +8,7 @@ Importing this package changes nothing: every patch is per model instance.
 
 from ._version import __version__
 from .config import TangentConfig
+from .hub import push_to_hub, save_hub_folder
 from .patching import get_config, patch, tangent_layers, unpatch
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
 from .serialization import from_pretrained
@@ -19,7 +20,9 @@ __all__ = [
     "from_pretrained",
     "get_config",
     "patch",
+    "push_to_hub",
     "register_architecture",
+    "save_hub_folder",
     "supported_model_types",
     "tangent_layers",
     "unpatch",

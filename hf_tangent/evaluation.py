@@ -48,13 +48,13 @@ def strided_perplexity(model, token_ids: torch.Tensor, seq_len: int, stride: int
         raise ValueError(f"stride={stride} must be in 1..seq_len={seq_len}.")
     ids = token_ids.reshape(-1)
     device = next(model.parameters()).device
-    nll_sum, tokens, scored_until = 0.0, 0, 1  # token 0 has no context and is never scored
+    nll_sum, tokens, scored_until = 0.0, 0, 1  # next unscored target position; token 0 has no context
     for begin in range(0, len(ids) - 1, stride):
         end = min(begin + seq_len, len(ids))
         window = ids[begin:end].to(device)[None]  # (1, L)
         logits = model(input_ids=window, use_cache=False).logits[0, :-1].float()  # (L-1, V)
         nll = F.cross_entropy(logits, window[0, 1:], reduction="none")  # (L-1,): target positions begin+1..end-1
-        new = end - scored_until  # targets not scored by an earlier window
+        new = end - max(scored_until, begin + 1)  # targets not scored by an earlier window
         nll_sum += nll[-new:].double().sum().item()
         tokens += new
         scored_until = end
@@ -93,7 +93,7 @@ def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = No
     if get_config(model) is not None:
         raise ValueError("evaluate_variants expects an unpatched model.")
     variants = update_variants()
-    names = list(names or variants)
+    names = list(variants) if names is None else list(names)
     unknown = [n for n in names if n not in variants]
     if unknown:
         raise ValueError(f"unknown update variants {unknown}; accepted: {', '.join(variants)}.")

@@ -98,3 +98,19 @@ def _isolated_austen_env(monkeypatch):
     # Tests that read the default corpus use ../shared when it exists, without touching the cache.
     if SHARED_AUSTEN.is_dir() and "HF_TANGENT_AUSTEN_DIR" not in os.environ:
         monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(SHARED_AUSTEN))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_folder(tmp_path_factory) -> Path:
+    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
+    from hf_tangent.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64))
+    folder = tmp_path_factory.mktemp("tiny_lm")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -7,25 +7,16 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from hf_tangent import cli
 from hf_tangent.data import pack_windows
 from hf_tangent.models import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=64))
-    folder = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+@pytest.fixture
+def tiny_folder(tiny_lm_folder):
+    return tiny_lm_folder
 
 
 def test_eval_report_matches_an_independent_perplexity(tiny_folder, austen_dir, tmp_path):

@@ -1,0 +1,259 @@
+"""Trainer recipes on a tiny Llama with the real tokenizer: gate calibration, resume, 2 processes,
+fine-tuning statistics, the evaluate metric, recipes, Hub folder and remote code."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import hf_tangent as ht
+from hf_tangent import cli, training
+from hf_tangent.data import pack_windows
+from hf_tangent.evaluation import PERPLEXITY_METRIC, perplexity, strided_perplexity
+from hf_tangent.models import load_tokenizer
+
+
+def calibrate(folder, out, austen_dir, *extra):
+    args = ["calibrate", "--model", str(folder), "--text-files", str(austen_dir / "emma.txt"),
+            "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
+            "--max-windows", "4", "--train-windows", "8", "--batch-size", "8", "--max-steps", "6",
+            "--learning-rate", "0.02", "--output-dir", str(out), *extra]
+    assert cli.main(args) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_lm_folder, tmp_path_factory):
+    from conftest import SHARED_AUSTEN
+
+    from hf_tangent.data import austen_dir
+
+    austen = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else austen_dir()
+    out = tmp_path_factory.mktemp("calibrated")
+    return calibrate(tiny_lm_folder, out, austen, "--compare-updates", "projected"), out
+
+
+def test_gate_calibration_moves_gates_and_lowers_calibration_loss(calibrated):
+    report, _ = calibrated
+    gates = report["gates"]
+    assert len(gates) == 2 and all(abs(g - 1.0) > 1e-3 for g in gates.values())
+    assert report["calibration"]["gated_nll"] < report["calibration"]["natural_nll"]
+    s = report["gate_summary"]
+    assert s["min"] <= s["mean"] <= s["max"]
+    assert s["mean"] == pytest.approx(sum(gates.values()) / 2)
+    h = report["heldout"]
+    assert h["delta_nll"] == pytest.approx(h["gated_nll"] - h["natural_nll"])
+    assert [r["variant"] for r in report["update_variants"]] == ["unpatched", "projected"]
+    assert report["update_variants"][0]["nll"] == pytest.approx(h["natural_nll"])
+
+
+def test_calibration_keeps_model_weights_frozen_and_reloads_gates(calibrated, tiny_lm_folder):
+    report, out = calibrated
+    before = load_file(tiny_lm_folder / "model.safetensors")
+    after = load_file(out / "model" / "model.safetensors")
+    gate_keys = {k for k in after if k.endswith("tangent_patch.gate")}
+    assert len(gate_keys) == 2 and set(after) - gate_keys == set(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    reloaded = ht.from_pretrained(out / "model")
+    assert training.gate_values(reloaded) == {int(k): v for k, v in report["gates"].items()}
+    assert (out / "gate_profile.png").stat().st_size > 1000 and (out / "loss_curve.png").is_file()
+    card = (out / "model" / "README.md").read_text()
+    assert "Delta L" in card and '"update": "add"' in card and "trust_remote_code=True" in card
+
+
+def test_remote_code_loads_without_hf_tangent_in_a_fresh_process(calibrated, tmp_path):
+    _, out = calibrated
+    ids = torch.randint(0, 1000, (2, 16))
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        expected = ht.from_pretrained(out / "model").eval()(ids).logits
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out / 'model')!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})
+        assert type(model).__name__ == "TangentForCausalLM", type(model)
+        assert not any(m.split(".")[0] == "hf_tangent" for m in sys.modules), "hf_tangent was imported"
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(tiny_lm_folder, austen_dir, tmp_path):
+    full = calibrate(tiny_lm_folder, tmp_path / "full", austen_dir, "--save-steps", "3", "--batch-size", "2")
+    # an interrupted run: its last checkpoint is at step 3 (what a kill after step 5 leaves behind)
+    calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, "--save-steps", "3", "--batch-size", "2")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "checkpoint-6")
+    resumed = calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, "--save-steps", "3", "--batch-size", "2",
+                        "--resume")
+    assert resumed["gates"] == full["gates"]
+    # the checkpoint carries the log history: the resumed run reports the whole curve, equal to the full run's
+    assert resumed["loss_curve"] == full["loss_curve"] and len(full["loss_curve"]) == 6
+
+
+def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder, austen_dir, tmp_path):
+    common = ["calibrate", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
+              "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
+              "--max-windows", "2", "--train-windows", "8", "--max-steps", "4", "--learning-rate", "0.02",
+              "--no-save-model"]
+    single = subprocess.run([sys.executable, "-m", "hf_tangent.cli", *common, "--batch-size", "4",
+                             "--output-dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", "29517", "-m", "hf_tangent.cli", *common, "--batch-size", "2",
+                             "--output-dir", str(tmp_path / "two")],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert double.returncode == 0, double.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "report.json").read_text())
+    two = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert two["training"]["world_size"] == 2 and one["training"]["world_size"] == 1
+    for layer, gate in one["gates"].items():
+        assert two["gates"][layer] == pytest.approx(gate, abs=1e-5)
+    assert all(abs(g - 1) > 1e-3 for g in two["gates"].values())
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--recipe", "RECIPE"], "recipe key 'max_step' does not exist for `hf-tangent calibrate`"),
+        (["--dataset", "no-such/dataset-xyz"], "could not load dataset 'no-such/dataset-xyz'"),
+        (["--seq-len", "60", "--calibration-files", "SHORT"], "fewer than one window of seq_len=60"),
+        (["--calibration-files", "EMPTY"], "hold no text"),
+        (["--layers", "5"], "layer index 5 is out of range for a model with 2 layers"),
+        (["--update", "tangent"], "TangentConfig.update='tangent' is not valid"),
+    ],
+)
+def test_bad_input_fails_before_training(tiny_lm_folder, austen_dir, tmp_path, capsys, extra, message):
+    (tmp_path / "r.yaml").write_text("max_step: 3\n")
+    (tmp_path / "short.txt").write_text("Too short for one window.")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    subs = {"RECIPE": str(tmp_path / "r.yaml"), "SHORT": str(tmp_path / "short.txt"), "EMPTY": str(tmp_path / "empty.txt")}
+    extra = [subs.get(a, a) for a in extra]
+    args = ["calibrate", "--model", str(tiny_lm_folder), "--seq-len", "32", "--output-dir", str(tmp_path / "o")]
+    if "--dataset" not in extra:
+        args += ["--text-files", str(austen_dir / "emma.txt")]
+        if "--calibration-files" not in extra:
+            args += ["--calibration-files", str(austen_dir / "prideprejudice.txt")]
+    try:
+        code = cli.main([*args, *extra])
+        err = capsys.readouterr().err
+    except SystemExit as exit_:
+        code, err = exit_.code, str(exit_)
+    assert code not in (0, None) and message in err
+    assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_every_shipped_recipe_parses_and_the_command_line_wins():
+    recipes = sorted(cli.RECIPES_DIR.glob("*.yaml"))
+    assert {p.stem for p in recipes} >= {"calibrate", "finetune_full", "finetune_lora", "offline_default"}
+    for path in recipes:
+        import yaml
+
+        command = yaml.safe_load(path.read_text())["command"]
+        args = cli.parse_args([command, "--recipe", str(path)])
+        assert args.command == command and args.output_dir.startswith("runs/")
+    args = cli.parse_args(["calibrate", "--recipe", "offline_default", "--max-steps", "3"])
+    assert args.max_steps == 3 and args.seq_len == 256 and len(args.compare_updates) == 9
+
+
+def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, austen_dir, tmp_path):
+    out = tmp_path / "ft"
+    args = ["finetune", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
+            "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32", "--max-windows", "2",
+            "--train-windows", "8", "--batch-size", "4", "--max-steps", "3", "--updates", "projected",
+            "--seeds", "0", "1", "--method", "lora", "--lora-targets", "q_proj", "down_proj",
+            "--learning-rate", "0.01", "--output-dir", str(out)]
+    assert cli.main(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    runs = {(r["variant"], r["seed"]): r for r in report["runs"]}
+    assert set(runs) == {("unpatched", 0), ("unpatched", 1), ("projected", 0), ("projected", 1)}
+    assert all(len(r["loss_curve"]) == 3 for r in runs.values())
+    summary = {s["variant"]: s for s in report["summary"]}
+    deltas = [runs[("projected", s)]["nll"] - runs[("unpatched", s)]["nll"] for s in (0, 1)]
+    assert summary["projected"]["delta_nll_mean"] == pytest.approx(sum(deltas) / 2)
+    assert summary["projected"]["p_value"] in (0.5, 1.0)  # exact sign flips with 2 seeds
+    assert (out / "loss_curves.png").is_file() and "paired permutation" in (out / "report.md").read_text()
+    # same seed, same data order: a rerun of one configuration reproduces it exactly
+    again = tmp_path / "again"
+    args[args.index("--seeds") + 1 : args.index("--seeds") + 3] = ["1"]
+    args[args.index("--output-dir") + 1] = str(again)
+    assert cli.main(args) == 0
+    rerun = {(r["variant"], r["seed"]): r for r in json.loads((again / "report.json").read_text())["runs"]}
+    assert rerun[("projected", 1)]["nll"] == runs[("projected", 1)]["nll"]
+
+
+def test_paired_permutation_test_against_enumeration():
+    assert training.paired_permutation_test([1.0, 2.0, 3.0]) == 2 / 8  # only all-plus and all-minus reach 2.0
+    assert training.paired_permutation_test([1.0, -1.0]) == 1.0
+    assert training.paired_permutation_test([0.5, 0.4, 0.6, 0.5, 0.45]) == 2 / 32
+
+
+def test_evaluate_metric_loads_offline_and_matches_perplexity(tiny_lm_folder, austen_dir):
+    import evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_folder).eval()
+    text = (austen_dir / "emma.txt").read_text()[:5000]
+    windows = pack_windows(load_tokenizer(str(tiny_lm_folder)), [text], 16, 5)
+    result = perplexity(model, windows)
+    metric = evaluate.load(PERPLEXITY_METRIC)
+    per_window = [nll * 15 for nll in result["window_nll"]]
+    out = metric.compute(predictions=per_window, references=[15] * 5)
+    assert out["perplexity"] == pytest.approx(result["perplexity"], rel=1e-9)
+    assert out["tokens"] == result["tokens"] == 75
+
+
+def test_strided_perplexity_scores_each_token_once_with_its_context(tiny_lm_folder):
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_folder).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (23,))
+    seq_len = 8
+    with torch.no_grad():  # brute force: token t with up to seq_len - 1 tokens of context
+        nlls = []
+        for t in range(1, len(ids)):
+            context = ids[max(0, t - (seq_len - 1)) : t]
+            logits = model(context[None]).logits[0, -1]
+            nlls.append(torch.nn.functional.cross_entropy(logits[None], ids[t : t + 1]).item())
+    result = strided_perplexity(model, ids, seq_len, stride=1)
+    assert result["tokens"] == len(ids) - 1
+    assert result["nll"] == pytest.approx(sum(nlls) / len(nlls), rel=1e-5)
+    coarse = strided_perplexity(model, ids, seq_len, stride=seq_len)
+    assert coarse["tokens"] == len(ids) - math.ceil(len(ids) / seq_len)  # each window's first token has no context
+    with pytest.raises(ValueError, match="stride=9 must be in 1..seq_len=8"):
+        strided_perplexity(model, ids, seq_len, stride=9)
+
+
+def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch):
+    import huggingface_hub
+
+    calls = {}
+
+    def fake_create_repo(self, repo_id, **kwargs):
+        calls["create"] = (repo_id, kwargs)
+
+    def fake_upload_folder(self, repo_id, folder_path, **kwargs):
+        calls["files"] = sorted(os.listdir(folder_path))
+        calls["config"] = json.loads(open(os.path.join(folder_path, "config.json")).read())
+        return "commit"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", fake_create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    _, out = calibrated
+    model = ht.from_pretrained(out / "model")
+    assert ht.push_to_hub(model, "user/tiny-gated", private=True) == "commit"
+    assert calls["create"] == ("user/tiny-gated", {"private": True, "exist_ok": True})
+    assert {"config.json", "model.safetensors", "README.md", "modeling_hf_tangent.py", "patching.py"} <= set(calls["files"])
+    assert calls["config"]["auto_map"] == {"AutoModelForCausalLM": "modeling_hf_tangent.TangentForCausalLM"}
+    assert calls["config"]["hf_tangent"]["config"]["gates"] is True
+    with pytest.raises(ValueError, match="expects a model patched"):
+        ht.push_to_hub(AutoModelForCausalLM.from_pretrained(out / "model"), "user/x")
