@@ -108,7 +108,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     ft.add_argument("--save-models", action=argparse.BooleanOptionalAction, default=False,
                     help="write every run's final model as a Hub repository folder")
     ft.set_defaults(run=run_finetune, learning_rate=2e-4)
-    return parser, {"eval": ev, "calibrate": ca, "finetune": ft}
+    from .ablation import VARIANTS as ABLATIONS
+
+    di = sub.add_parser("diagnose", parents=[common_parser()],
+                        help="per-layer radial fraction, norms, angles, diversity, deficit (math.md section 4)")
+    di.add_argument("--layers", nargs="+", type=int, help="layers to observe (default all)")
+    di.add_argument("--update", choices=variants, metavar="NAME",
+                    help=f"diagnose the model patched with this variant (default: unpatched): {variant_help}")
+    di.set_defaults(run=run_diagnose)
+
+    ab = sub.add_parser("ablate", parents=[common_parser()],
+                        help="loss increase of zero-FFN, radial-only, tangential-only, attention-zero (paired bootstrap CI)")
+    ab.add_argument("--variants", nargs="+", choices=ABLATIONS, default=list(ABLATIONS))
+    ab.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
+                    help="also ablate one layer at a time (layers x variants forward passes)")
+    ab.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
+    ab.set_defaults(run=run_ablate)
+    return parser, {"eval": ev, "calibrate": ca, "finetune": ft, "diagnose": di, "ablate": ab}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -464,6 +480,92 @@ def finetune_markdown(report: dict) -> str:
                      f"{s['perplexity_mean']:.3f} | {s['delta_nll_mean']:+.4f} | {s['delta_perplexity_mean']:+.3f} | {p} |")
     lines += ["", "With n seeds the exact sign-flip test cannot go below p = 2 / 2^n.", "",
               "![training loss](loss_curves.png)"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- diagnose / ablate
+def run_diagnose(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from . import plots
+    from .diagnostics import QUANTITIES, diagnose
+    from .evaluation import update_variants
+    from .patching import patch
+
+    model, _, windows, _ = load_inputs(args)
+    if args.update and update_variants()[args.update] is not None:
+        patch(model, update_variants()[args.update])
+    start = time.time()
+    with tqdm(total=len(windows), desc="hf-tangent diagnose", unit="window") as bar:
+        records = diagnose(model, windows, layers=args.layers, batch_size=args.batch_size, progress=bar)
+    os.makedirs(args.output_dir, exist_ok=True)
+    plots.diagnostics_layers(records, os.path.join(args.output_dir, "diagnostics_layers.png"),
+                             title=f"{args.model} ({args.update or 'unpatched'})")
+    report = {"command": "diagnose", "model": args.model, "update": args.update or "unpatched",
+              "text": args.text_files or args.dataset or "austen:evaluation", "seq_len": args.seq_len,
+              "windows": len(windows), "definitions": QUANTITIES, "seconds": round(time.time() - start, 1),
+              **_environment(args), "layers": records}
+    write_report(args.output_dir, report, diagnose_markdown(report))
+    return report
+
+
+def diagnose_markdown(report: dict) -> str:
+    cols = ["rho", "orthogonality_error", "norm_x", "ffn_angle", "diversity_before_attention",
+            "diversity_after_attention", "diversity_after_ffn", "deficit", "ffn_share"]
+    lines = [f"# hf-tangent diagnose: {report['model']} ({report['update']})", "",
+             f"{report['windows']} windows x {report['seq_len']} tokens of {report['text']}; per-layer means over "
+             "tokens (diversity: mean over sequences). Definitions: docs/diagnostics.md.", "",
+             "| layer | " + " | ".join(cols) + " | norm drift |", "|---" * (len(cols) + 2) + "|"]
+    for r in report["layers"]:
+        lines.append(f"| {r['layer']} | " + " | ".join(f"{r[c]['mean']:.4g}" for c in cols) + f" | {r['norm_drift']:.4g} |")
+    lines += ["", "![per-layer diagnostics](diagnostics_layers.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def run_ablate(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from . import plots
+    from .ablation import forward_passes, run_ablation
+    from .registry import decoder_layers
+
+    model, _, windows, _ = load_inputs(args)
+    start = time.time()
+    total = forward_passes(len(windows), args.variants, args.layerwise, len(decoder_layers(model)))
+    with tqdm(total=total, desc="hf-tangent ablate", unit="window") as bar:
+        result = run_ablation(model, windows, variants=args.variants, layerwise=args.layerwise,
+                              batch_size=args.batch_size, n_boot=args.bootstrap, seed=args.seed, progress=bar)
+    os.makedirs(args.output_dir, exist_ok=True)
+    plots.ablation_bars(result["rows"], os.path.join(args.output_dir, "ablation_bars.png"), title=f"{args.model}: ablations")
+    if args.layerwise:
+        plots.ablation_heatmap(result["rows"], os.path.join(args.output_dir, "ablation_heatmap.png"),
+                               title=f"{args.model}: one layer at a time")
+    report = {"command": "ablate", "model": args.model, "text": args.text_files or args.dataset or "austen:evaluation",
+              "seq_len": args.seq_len, "seconds": round(time.time() - start, 1), **_environment(args), **result}
+    write_report(args.output_dir, report, ablate_markdown(report))
+    return report
+
+
+def ablate_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent ablate: {report['model']}", "",
+             f"Full model loss {report['full_loss']:.4f} nats/token on {report['windows']} windows x "
+             f"{report['seq_len']} tokens of {report['text']}; increase over full with a 95% paired bootstrap "
+             "interval over windows.", "",
+             "| variant | layers | loss | increase | 95% CI |", "|---|---|---:|---:|---|"]
+    for r in report["rows"]:
+        if r["layer"] == "all":
+            lines.append(f"| {r['variant']} | all | {r['loss']:.4f} | {r['increase']:+.4f} | "
+                         f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] |")
+    layerwise = [r for r in report["rows"] if r["layer"] != "all"]
+    if layerwise:
+        variants = list(dict.fromkeys(r["variant"] for r in layerwise))
+        lines += ["", "One layer at a time (loss increase):", "", "| layer | " + " | ".join(variants) + " |",
+                  "|---" * (len(variants) + 1) + "|"]
+        for layer in sorted({r["layer"] for r in layerwise}):
+            cells = [next(r for r in layerwise if r["layer"] == layer and r["variant"] == v) for v in variants]
+            lines.append(f"| {layer} | " + " | ".join(f"{c['increase']:+.4f}" for c in cells) + " |")
+        lines += ["", "![layerwise](ablation_heatmap.png)"]
+    lines += ["", "![ablations](ablation_bars.png)"]
     return "\n".join(lines) + "\n"
 
 

@@ -16,9 +16,7 @@ the virtual state h + A: the block never materialises it and its FFN reads h.
 from __future__ import annotations
 
 import math
-import random
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -83,18 +81,16 @@ def layer_quantities(h, attn, x, y, delta, out) -> dict[str, torch.Tensor]:
     }
 
 
-@dataclass
 class RunningStat:
-    """Streaming mean/std (Welford, float64), min/max, and quantiles from a bounded reservoir."""
+    """Streaming mean/std (Chan/Welford merge, float64), min/max, and quantiles from a bounded
+    reservoir sample (vectorised algorithm R): memory is O(reservoir_size), whatever the count."""
 
-    reservoir_size: int = 2048
-    count: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    reservoir: list = field(default_factory=list)
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    def __init__(self, reservoir_size: int = 4096, seed: int = 0):
+        self.reservoir_size = reservoir_size
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+        self.min, self.max = math.inf, -math.inf
+        self.reservoir = torch.empty(0, dtype=torch.float64)
+        self.generator = torch.Generator().manual_seed(seed)
 
     def update(self, values: torch.Tensor) -> None:
         v = values.detach().reshape(-1).double().cpu()
@@ -108,25 +104,23 @@ class RunningStat:
         self.mean += delta * n / total
         self.m2 += batch_m2 + delta * delta * self.count * n / total
         self.min, self.max = min(self.min, v.min().item()), max(self.max, v.max().item())
-        for value in v.tolist():  # reservoir sampling (algorithm R)
-            self.count += 1
-            if len(self.reservoir) < self.reservoir_size:
-                self.reservoir.append(value)
-            else:
-                j = self.rng.randrange(self.count)
-                if j < self.reservoir_size:
-                    self.reservoir[j] = value
+        room = self.reservoir_size - self.reservoir.numel()
+        if room > 0:
+            self.reservoir = torch.cat([self.reservoir, v[:room]])
+        rest = v[max(room, 0):]
+        if rest.numel():
+            seen = torch.arange(self.count + max(room, 0) + 1, total + 1, dtype=torch.float64)  # 1-based index
+            slot = (torch.rand(rest.numel(), generator=self.generator, dtype=torch.float64) * seen).long()
+            keep = slot < self.reservoir_size
+            self.reservoir[slot[keep]] = rest[keep]
+        self.count = total
 
     def summary(self) -> dict:
         if self.count == 0:
             return {"count": 0}
-        q = sorted(self.reservoir)
-
-        def quantile(p):
-            return q[min(len(q) - 1, int(p * (len(q) - 1) + 0.5))]
-
+        q = torch.quantile(self.reservoir, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
         return {"count": self.count, "mean": self.mean, "std": math.sqrt(self.m2 / self.count),
-                "min": self.min, "max": self.max, "q05": quantile(0.05), "q50": quantile(0.5), "q95": quantile(0.95)}
+                "min": self.min, "max": self.max, "q05": q[0], "q50": q[1], "q95": q[2]}
 
 
 class DiagnosticsRecorder:
@@ -163,6 +157,7 @@ def record(model, layers: list[int] | None = None):
 
     Works on unpatched and patched models (any update rule, parallel blocks); never changes outputs.
     """
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     spec = get_spec(model.config.model_type)
     decoder = spec.decoder_layers(model)
     num_layers = len(decoder)
@@ -211,3 +206,24 @@ def record(model, layers: list[int] | None = None):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@torch.no_grad()
+def diagnose(model, windows: torch.Tensor, *, layers: list[int] | None = None, batch_size: int = 1,
+             progress=None) -> list[dict]:
+    """Per-layer records over token windows (n, T); the model's mode is left as it was."""
+    if len(windows) == 0:
+        raise ValueError("diagnostics: no windows to run on.")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with record(model, layers) as recorder:
+            for start in range(0, len(windows), batch_size):
+                batch = windows[start : start + batch_size].to(device)
+                model(input_ids=batch, use_cache=False)
+                if progress is not None:
+                    progress.update(len(batch))
+    finally:
+        model.train(was_training)
+    return recorder.records()

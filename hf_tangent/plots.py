@@ -48,3 +48,70 @@ def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, tit
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def diagnostics_layers(records: list[dict], path: str, title: str = "Per-layer diagnostics") -> str:
+    """Four panels over layers: diversity before/after attention/after FFN; rho and orthogonality
+    error; residual norm; deficit, FFN share and FFN step angle. Means with 5-95% bands."""
+    plt = _pyplot()
+    layers = [r["layer"] for r in records]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = [
+        (axes[0, 0], ["diversity_before_attention", "diversity_after_attention", "diversity_after_ffn"],
+         "spherical diversity D"),
+        (axes[0, 1], ["rho", "orthogonality_error"], "radial fraction / orthogonality error"),
+        (axes[1, 0], ["norm_x", "norm_out"], "residual norm"),
+        (axes[1, 1], ["deficit", "ffn_share", "ffn_angle"], "deficit / FFN share / FFN angle (rad)"),
+    ]
+    for ax, names, label in panels:
+        for name in names:
+            mean = [r[name]["mean"] for r in records]
+            line, = ax.plot(layers, mean, marker=".", label=name)
+            if "q05" in records[0][name]:
+                ax.fill_between(layers, [r[name]["q05"] for r in records], [r[name]["q95"] for r in records],
+                                color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ablation_bars(rows: list[dict], path: str, title: str = "Loss increase over full") -> str:
+    plt = _pyplot()
+    rows = [r for r in rows if r["layer"] == "all"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["variant"] for r in rows]
+    means = [r["increase"] for r in rows]
+    errors = [[m - r["ci_low"] for m, r in zip(means, rows, strict=True)],
+              [r["ci_high"] - m for m, r in zip(means, rows, strict=True)]]
+    ax.bar(names, means, yerr=errors, capsize=4, color="tab:blue")
+    ax.set_ylabel("loss increase (nats/token), 95% CI")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ablation_heatmap(rows: list[dict], path: str, title: str = "Loss increase, one layer at a time") -> str:
+    plt = _pyplot()
+    rows = [r for r in rows if r["layer"] != "all"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    layers = sorted({r["layer"] for r in rows})
+    grid = [[next(r["increase"] for r in rows if r["variant"] == v and r["layer"] == i) for i in layers] for v in variants]
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(layers) + 2), 1 + 0.6 * len(variants)))
+    image = ax.imshow(grid, aspect="auto", cmap="magma")
+    ax.set_yticks(range(len(variants)), variants)
+    ax.set_xticks(range(len(layers)), layers, fontsize=7)
+    ax.set_xlabel("layer")
+    fig.colorbar(image, ax=ax, label="loss increase (nats/token)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -139,3 +139,34 @@ def summarize_finetune(rows: list[dict], baseline: str = "unpatched") -> list[di
             "p_value": paired_permutation_test(deltas) if variant != baseline else float("nan"),
         })
     return summary
+
+
+def diagnostics_callback(windows: torch.Tensor, *, every_n_steps: int = 50, layers: list[int] | None = None,
+                         quantities=("rho", "orthogonality_error", "norm_x", "ffn_angle", "diversity_after_ffn"),
+                         batch_size: int = 1):
+    """A TrainerCallback that runs the diagnostics on fixed `windows` every N steps and logs the
+    per-layer means through `trainer.log` (so every `report_to` backend gets them). Attach with
+    `callback.attach(trainer)`."""
+    from transformers import TrainerCallback
+
+    from .diagnostics import QUANTITIES, diagnose
+
+    unknown = [q for q in quantities if q not in QUANTITIES]
+    if unknown:
+        raise ValueError(f"unknown diagnostics {unknown}; accepted: {', '.join(QUANTITIES)}.")
+
+    class DiagnosticsCallback(TrainerCallback):
+        trainer = None
+
+        def attach(self, trainer):
+            self.trainer = trainer
+            trainer.add_callback(self)
+            return self
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if self.trainer is None or state.global_step % every_n_steps or not state.is_world_process_zero:
+                return
+            records = diagnose(model, windows, layers=layers, batch_size=batch_size)
+            self.trainer.log({f"diagnostics/layer_{r['layer']}/{q}": r[q]["mean"] for r in records for q in quantities})
+
+    return DiagnosticsCallback()
