@@ -19,6 +19,7 @@ UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "ret
 # Named retractions of math.md section 2, as the p of theta_p(t) = p * atan(t / p).
 RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
 EPS_MODES = ("absolute", "relative")
+IMPLEMENTATIONS = ("fused", "reference")
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -75,6 +76,11 @@ class TangentConfig:
     parallel_layers: tuple[int, ...] = field(
         default=(), metadata={"help": "Layers run in parallel-residual form x + A(x) + FFN(Norm(x))."}
     )
+    implementation: str = field(
+        default="fused",
+        metadata={"help": "'fused': one autograd Function with an analytic backward that saves only x and y "
+                          "(default); 'reference': plain tensor ops (rules.py), what the tests compare against."},
+    )
 
     def __post_init__(self) -> None:
         if self.update not in UPDATES:
@@ -102,6 +108,8 @@ class TangentConfig:
             _fail("eps", self.eps, "a finite number > 0 (e.g. 1e-6)")
         if self.eps_mode not in EPS_MODES:
             _fail("eps_mode", self.eps_mode, ", ".join(repr(m) for m in EPS_MODES))
+        if self.implementation not in IMPLEMENTATIONS:
+            _fail("implementation", self.implementation, ", ".join(repr(m) for m in IMPLEMENTATIONS))
         if not isinstance(self.gates, bool):
             _fail("gates", self.gates, "True or False")
         if self.layers is not None:

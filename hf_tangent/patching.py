@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .config import TangentConfig
+from .fused import fused_residual_delta
 from .registry import ArchitectureSpec, get_spec
 from .rules import residual_delta
 
@@ -45,9 +46,8 @@ class TangentLayer(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
         c = self.config
-        return residual_delta(
-            x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate
-        )
+        delta = fused_residual_delta if c.implementation == "fused" else residual_delta
+        return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
 
     def extra_repr(self) -> str:
         c = self.config
