@@ -42,26 +42,27 @@ class _TangentUpdate(torch.autograd.Function):
         ctx.save_for_backward(x, y, gate)
         ctx.params = (update, alpha, beta, p, eps_value)
         if update == "add":
-            delta = alpha * z
+            delta = alpha * z if alpha != 1.0 else z
         elif update == "zero":
             delta = torch.zeros_like(z)
-        else:
+        else:  # addcmul: one pass for "z - b c x"; per-token scalars stay (..., 1)
             c = _dot(xf, z) / (_dot(xf, xf) + eps_value)
             if update in ("projected", "soft"):
-                delta = alpha * (z - (beta if update == "soft" else 1.0) * c * xf)
+                b = beta if update == "soft" else 1.0
+                delta = torch.addcmul(alpha * z if alpha != 1.0 else z, c, xf, value=-alpha * b)
             elif update == "radial":
-                delta = alpha * c * xf
+                delta = (alpha * c) * xf
             elif update == "norm_preserving":
-                t = z - c * xf
-                delta = alpha * t * (z.norm(dim=-1, keepdim=True) / (t.norm(dim=-1, keepdim=True) + eps_value))
+                t = torch.addcmul(z, c, xf, value=-1.0)
+                delta = t * (alpha * z.norm(dim=-1, keepdim=True) / (t.norm(dim=-1, keepdim=True) + eps_value))
             elif update == "retract":
-                v = alpha * (z - c * xf)
+                tangent = torch.addcmul(z, c, xf, value=-1.0)  # v / alpha
                 r = xf.norm(dim=-1, keepdim=True)
-                t = v.norm(dim=-1, keepdim=True) / _safe(r, r > 0)
+                t = abs(alpha) * tangent.norm(dim=-1, keepdim=True) / _safe(r, r > 0)
                 theta = retraction_angle(t, p)
                 moving = t > 0
                 b = torch.where(moving, torch.sin(theta) / _safe(t, moving), torch.ones_like(t))
-                delta = -2.0 * torch.sin(theta / 2) ** 2 * xf + b * v
+                delta = torch.addcmul(-2.0 * torch.sin(theta / 2) ** 2 * xf, alpha * b, tangent)
             else:
                 raise ValueError(f"unknown update rule {update!r}")
         return delta.to(y.dtype)
