@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import interleaved_ratio  # noqa: E402
-
-from hf_tangent import diagnostics  # noqa: E402
+from hf_tangent import diagnostics
+from hf_tangent.timing import interleaved_ratio
 
 
 def build(tiny: bool):

@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import interleaved_ratio  # noqa: E402
-
-import hf_tangent as ht  # noqa: E402
+import hf_tangent as ht
+from hf_tangent.timing import interleaved_ratio
 
 RULES = {
     "projected": dict(update="projected"),

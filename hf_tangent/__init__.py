@@ -9,6 +9,7 @@ Importing this package changes nothing: every patch is per model instance.
 from ._version import __version__
 from .config import TangentConfig
 from .hub import push_to_hub, save_hub_folder
+from .parallel import parallelize
 from .patching import get_config, patch, tangent_layers, unpatch
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
 from .serialization import from_pretrained
@@ -19,6 +20,7 @@ __all__ = [
     "__version__",
     "from_pretrained",
     "get_config",
+    "parallelize",
     "patch",
     "push_to_hub",
     "register_architecture",

@@ -124,7 +124,28 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                     help="also ablate one layer at a time (layers x variants forward passes)")
     ab.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the intervals")
     ab.set_defaults(run=run_ablate)
-    return parser, {"eval": ev, "calibrate": ca, "finetune": ft, "diagnose": di, "ablate": ab}
+    se = sub.add_parser("sensitivity", parents=[common_parser()],
+                        help="FFN input-sensitivity C_l of every layer on calibration text (math.md section 4)")
+    se.add_argument("--calibration-files", nargs="+", metavar="FILE",
+                    help="calibration text (default: the Austen calibration novels)")
+    se.set_defaults(run=run_sensitivity)
+
+    sw = sub.add_parser("parallel-sweep", parents=[common_parser()],
+                        help="held-out loss vs number of parallel-converted layers: low-C_l, high-C_l, random, greedy")
+    sw.add_argument("--calibration-files", nargs="+", metavar="FILE",
+                    help="calibration text for C_l and the greedy selection (default: Austen calibration novels)")
+    sw.add_argument("--calibration-windows", type=int, default=4, help="calibration windows (C_l, greedy, budget)")
+    sw.add_argument("--ks", nargs="+", type=int, help="numbers of converted layers to evaluate (default 0..L)")
+    sw.add_argument("--random-seeds", nargs="+", type=int, default=[0, 1, 2])
+    sw.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the loss-aware greedy selection (O(L^2) calibration evaluations)")
+    sw.add_argument("--greedy-max-k", type=int, help="stop the greedy selection after this many layers")
+    sw.add_argument("--budget", type=float, default=0.02, help="loss budget (nats/token) for the recommendation")
+    sw.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure T_A, T_Phi and the end-to-end latency of the recommended conversion")
+    sw.set_defaults(run=run_parallel_sweep)
+    return parser, {"eval": ev, "calibrate": ca, "finetune": ft, "diagnose": di, "ablate": ab,
+                    "sensitivity": se, "parallel-sweep": sw}
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -566,6 +587,148 @@ def ablate_markdown(report: dict) -> str:
             lines.append(f"| {layer} | " + " | ".join(f"{c['increase']:+.4f}" for c in cells) + " |")
         lines += ["", "![layerwise](ablation_heatmap.png)"]
     lines += ["", "![ablations](ablation_bars.png)"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- parallel residual
+def _calibration_windows(args, tokenizer, count):
+    from .data import load_documents, pack_windows
+
+    docs = load_documents(args.calibration_files) if args.calibration_files else load_documents(split="calibration")
+    return pack_windows(tokenizer, docs, args.seq_len, count)
+
+
+def run_sensitivity(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from . import plots
+    from .parallel import sensitivity
+
+    model, tokenizer = _load_model(args)
+    windows = _calibration_windows(args, tokenizer, args.max_windows)
+    start = time.time()
+    with tqdm(total=len(windows), desc="hf-tangent sensitivity", unit="window") as bar:
+        result = sensitivity(model, windows, batch_size=args.batch_size, progress=bar)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if len(result["already_parallel"]) < len(result["layers"]):
+        plots.sensitivity_profile(result["layers"], os.path.join(args.output_dir, "sensitivity.png"),
+                                  title=f"C_l: {args.model}")
+    report = {"command": "sensitivity", "model": args.model, "seq_len": args.seq_len,
+              "text": args.calibration_files or "austen:calibration", "seconds": round(time.time() - start, 1),
+              **_environment(args), **result}
+    write_report(args.output_dir, report, sensitivity_markdown(report))
+    return report
+
+
+def sensitivity_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent sensitivity: {report['model']}", "",
+             f"C_l on {report['windows']} calibration windows x {report['seq_len']} tokens of {report['text']}.", ""]
+    if report["already_parallel"]:
+        lines += [f"Layers {report['already_parallel']} are already parallel-residual blocks: nothing to convert there.", ""]
+    lines += ["| layer | C_l (token mean) | window mean +- sd | q05 .. q95 |", "|---:|---:|---:|---|"]
+    for r in report["layers"]:
+        if not r["already_parallel"]:
+            t = r["token_stats"]
+            lines.append(f"| {r['layer']} | {r['c']:.4f} | {r['window_mean']:.4f} +- {r['window_std']:.4f} | "
+                         f"{t['q05']:.3f} .. {t['q95']:.3f} |")
+    return "\n".join(lines + ["", "![C_l](sensitivity.png)"]) + "\n"
+
+
+def run_parallel_sweep(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from . import plots
+    from .config import TangentConfig
+    from .parallel import estimated_speedup, greedy_order, parallel_sweep, recommend, sensitivity, submodule_times
+    from .patching import patch, unpatch
+    from .registry import get_spec
+
+    model, tokenizer, heldout, _ = load_inputs(args)
+    calibration = _calibration_windows(args, tokenizer, args.calibration_windows)
+    start = time.time()
+    sens = sensitivity(model, calibration, batch_size=args.batch_size)
+    scores = sens["scores"]
+    convertible = [i for i, c in enumerate(scores) if c is not None]
+    if not convertible:
+        raise ValueError("every layer is already a parallel-residual block (use_parallel_residual=True): "
+                         "nothing to convert.")
+    greedy = None
+    if args.greedy:
+        max_k = args.greedy_max_k or len(convertible)
+        n_evals = sum(len(convertible) - j for j in range(max_k))
+        with tqdm(total=n_evals, desc="greedy selection (calibration)", unit="eval") as bar:
+            greedy = greedy_order(model, calibration, max_k=max_k, batch_size=args.batch_size, progress=bar)
+    ks = args.ks if args.ks is not None else list(range(len(convertible) + 1))
+    n_evals = len(ks) * (2 + len(args.random_seeds) + (1 if greedy else 0))
+    with tqdm(total=n_evals, desc="sweep (held-out)", unit="eval") as bar:
+        sweep = parallel_sweep(model, heldout, scores=scores, ks=ks, random_seeds=args.random_seeds, greedy=greedy,
+                               batch_size=args.batch_size, progress=bar)
+    orders = {"low_c": sorted(convertible, key=lambda i: scores[i])}
+    if greedy:
+        orders["greedy"] = [step["layer"] for step in greedy]
+    recommendations = {name: recommend(model, calibration, heldout, budget=args.budget, order=order,
+                                       batch_size=args.batch_size) for name, order in orders.items()}
+    best = max(recommendations.values(), key=lambda r: (r["within_budget_heldout"], r["k"]))
+    speed = None
+    if args.speed and best["layers"]:
+        from .timing import interleaved_ratio
+
+        times = submodule_times(model, heldout[:2], batch_size=args.batch_size)
+        estimate = estimated_speedup(times, best["layers"])
+        ids = heldout[:1].to(args.device)
+        variants = {"hooks": TangentConfig(parallel_layers=tuple(best["layers"]))}
+        if get_spec(model.config.model_type).fused_attention_in:
+            variants["fused"] = TangentConfig(parallel_layers=tuple(best["layers"]), parallel_execution="fused")
+        measured = {}
+        import copy
+
+        baseline = model
+        for name, config in variants.items():
+            converted = patch(copy.deepcopy(model), config)
+
+            @torch.no_grad()
+            def run(m):
+                m(input_ids=ids, use_cache=False)
+
+            measured[name] = interleaved_ratio(lambda: run(baseline), lambda conv=converted: run(conv), repeats=7)
+            unpatch(converted)
+        speed = {"layers": best["layers"], "estimated_speedup": estimate, "submodule_times": times,
+                 "measured_time_ratio": {k: v["ratio_median"] for k, v in measured.items()},
+                 "measured_speedup": {k: 1.0 / v["ratio_median"] for k, v in measured.items()},
+                 "measured": measured, "tokens": int(ids.numel())}
+    os.makedirs(args.output_dir, exist_ok=True)
+    plots.sensitivity_profile(sens["layers"], os.path.join(args.output_dir, "sensitivity.png"), title=f"C_l: {args.model}")
+    plots.parallel_sweep(sweep["curves"], sweep["random_std"], os.path.join(args.output_dir, "parallel_sweep.png"),
+                         title=f"{args.model}: parallel-residual conversion")
+    report = {"command": "parallel-sweep", "model": args.model, "seq_len": args.seq_len,
+              "heldout_windows": len(heldout), "calibration_windows": len(calibration),
+              "text": {"evaluation": args.text_files or args.dataset or "austen:evaluation",
+                       "calibration": args.calibration_files or "austen:calibration"},
+              "sensitivity": sens, "greedy": greedy, "sweep": sweep, "recommendations": recommendations,
+              "speed": speed, "seconds": round(time.time() - start, 1), **_environment(args)}
+    write_report(args.output_dir, report, sweep_markdown(report))
+    return report
+
+
+def sweep_markdown(report: dict) -> str:
+    sweep, curves = report["sweep"], report["sweep"]["curves"]
+    schedules = list(curves)
+    lines = [f"# hf-tangent parallel-sweep: {report['model']}", "",
+             f"Held-out loss {sweep['base_loss']:.4f} nats/token unconverted ({report['heldout_windows']} windows x "
+             f"{report['seq_len']} tokens); C_l and greedy on {report['calibration_windows']} calibration windows. "
+             "Loss increase by number of converted layers (random: mean over seeds):", "",
+             "| k | " + " | ".join(schedules) + " |", "|---:" * (len(schedules) + 1) + "|"]
+    for k in sweep["ks"]:
+        lines.append(f"| {k} | " + " | ".join(f"{curves[s][k]:+.4f}" if k in curves[s] else "-" for s in schedules) + " |")
+    lines += ["", "![sweep](parallel_sweep.png)", "", f"## Largest set within +{next(iter(report['recommendations'].values()))['budget']} nats (chosen on calibration text)", "",
+              "| order | k | layers | held-out increase | within budget on held-out |", "|---|---:|---|---:|---|"]
+    for name, r in report["recommendations"].items():
+        lines.append(f"| {name} | {r['k']} | {r['layers']} | {r['heldout_increase']:+.4f} | {r['within_budget_heldout']} |")
+    if report["speed"]:
+        sp = report["speed"]
+        lines += ["", "## Speed", "", f"Converted layers {sp['layers']}: estimated speedup (A and FFN concurrent, "
+                  f"from measured T_A, T_Phi) **{sp['estimated_speedup']:.3f}x**; measured end-to-end (1 x "
+                  f"{sp['tokens']} tokens, same run): " + ", ".join(f"{k} {v:.3f}x" for k, v in sp["measured_speedup"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "ret
 RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
 EPS_MODES = ("absolute", "relative")
 IMPLEMENTATIONS = ("fused", "reference")
+PARALLEL_EXECUTIONS = ("hooks", "fused")
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -76,6 +77,11 @@ class TangentConfig:
     parallel_layers: tuple[int, ...] = field(
         default=(), metadata={"help": "Layers run in parallel-residual form x + A(x) + FFN(Norm(x))."}
     )
+    parallel_execution: str = field(
+        default="hooks",
+        metadata={"help": "How parallel_layers run: 'hooks' (the model's own code, default) or 'fused' "
+                          "(opt-in: one GEMM for the attention and FFN input projections; llama-like models)."},
+    )
     implementation: str = field(
         default="fused",
         metadata={"help": "'fused': one autograd Function with an analytic backward that saves only x and y "
@@ -108,6 +114,8 @@ class TangentConfig:
             _fail("eps", self.eps, "a finite number > 0 (e.g. 1e-6)")
         if self.eps_mode not in EPS_MODES:
             _fail("eps_mode", self.eps_mode, ", ".join(repr(m) for m in EPS_MODES))
+        if self.parallel_execution not in PARALLEL_EXECUTIONS:
+            _fail("parallel_execution", self.parallel_execution, ", ".join(repr(m) for m in PARALLEL_EXECUTIONS))
         if self.implementation not in IMPLEMENTATIONS:
             _fail("implementation", self.implementation, ", ".join(repr(m) for m in IMPLEMENTATIONS))
         if not isinstance(self.gates, bool):

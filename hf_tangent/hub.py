@@ -17,7 +17,7 @@ from pathlib import Path
 from .patching import CONFIG_KEY, get_config
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "registry.py", "patching.py")
+REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CLASS = "TangentForCausalLM"
 CARD_TEMPLATE = PACKAGE_DIR.parent / "model_cards" / "hf_tangent_model_card.md"

@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import TangentConfig
 from .fused import fused_residual_delta
+from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec, get_spec
 from .rules import residual_delta
 
@@ -42,6 +43,7 @@ class TangentLayer(nn.Module):
         self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
         self._x = None
         self._block_input = None
+        self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
@@ -76,6 +78,9 @@ class TangentLayer(nn.Module):
         return self(x, output)
 
     def install(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+        if self.parallel and self.config.parallel_execution == "fused":
+            self.fused_execution = FusedParallelExecution(spec, layer)
+            self.fused_execution.install()
         if self.parallel:
             spec.submodule(layer, "input_norm").register_forward_pre_hook(self._record_block_input, with_kwargs=True)
         if self.parallel or self.applies_update:
@@ -84,6 +89,9 @@ class TangentLayer(nn.Module):
             spec.submodule(layer, "ffn_out").register_forward_hook(self._apply_update)
 
     def uninstall(self, layer: nn.Module) -> None:
+        if self.fused_execution is not None:
+            self.fused_execution.uninstall()
+            self.fused_execution = None
         for module in layer.modules():
             _remove_hooks_of(module, self)
 

@@ -115,3 +115,39 @@ def ablation_heatmap(rows: list[dict], path: str, title: str = "Loss increase, o
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def sensitivity_profile(layers: list[dict], path: str, title: str = "FFN input sensitivity C_l") -> str:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    rows = [r for r in layers if not r["already_parallel"]]
+    ax.bar([r["layer"] for r in rows], [r["window_mean"] for r in rows], yerr=[r["window_std"] for r in rows],
+           capsize=2, color="tab:green")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("C_l (mean, +- sd over windows)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parallel_sweep(curves: dict, random_std: dict, path: str, title: str = "Parallel-residual conversion") -> str:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = {"low_c": "tab:green", "high_c": "tab:red", "random": "tab:grey", "greedy": "tab:blue"}
+    for schedule, curve in curves.items():
+        ks = sorted(curve)
+        ax.plot(ks, [curve[k] for k in ks], marker=".", label=schedule, color=styles.get(schedule))
+        if schedule == "random" and random_std:
+            ax.fill_between(ks, [curve[k] - random_std.get(k, 0) for k in ks],
+                            [curve[k] + random_std.get(k, 0) for k in ks], color="tab:grey", alpha=0.2)
+    ax.set_xlabel("layers converted (k)")
+    ax.set_ylabel("held-out loss increase (nats/token)")
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

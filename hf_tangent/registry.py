@@ -21,6 +21,9 @@ class ArchitectureSpec:
     mlp: str
     ffn_out: str | None = None  # module whose output the layer adds to the residual; default: mlp
     parallel_attr: str | None = None  # layer attribute that is True on a parallel block (GPT-NeoX)
+    # Optional fused parallel execution (fused_parallel.py): Linear input projections, relative to the layer.
+    fused_attention_in: tuple[str, ...] = ()
+    fused_ffn_in: tuple[str, ...] = ()
 
     @property
     def ffn_out_path(self) -> str:
@@ -93,7 +96,9 @@ def decoder_layers(model) -> nn.ModuleList:
 
 
 _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",
-                   ffn_norm="post_attention_layernorm", mlp="mlp")
+                   ffn_norm="post_attention_layernorm", mlp="mlp",
+                   fused_attention_in=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                   fused_ffn_in=("mlp.gate_proj", "mlp.up_proj"))
 
 register_architecture(model_type="gpt2", layers="transformer.h", input_norm="ln_1", attention="attn",
                       ffn_norm="ln_2", mlp="mlp")

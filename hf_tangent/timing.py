@@ -1,4 +1,4 @@
-"""Interleaved A/B timing: ratios against a baseline measured in the same run, never absolutes."""
+"""Interleaved A/B timing (benchmarks, parallel-sweep): ratios against a baseline measured in the same run."""
 
 from __future__ import annotations
 
