@@ -30,9 +30,9 @@ def test_sensitivity_matches_direct_computation(ids):
     spec = spec_of(model)
     for k, layer in enumerate(spec.decoder_layers(model)):
         rec = {}
-        h1 = layer.register_forward_pre_hook(lambda m, a, kw: rec.__setitem__("h", a[0] if a else kw["hidden_states"]),
+        h1 = layer.register_forward_pre_hook(lambda m, a, kw, rec=rec: rec.__setitem__("h", a[0] if a else kw["hidden_states"]),
                                              with_kwargs=True)
-        h2 = layer.mlp.register_forward_hook(lambda m, a, o: rec.__setitem__("y", o))
+        h2 = layer.mlp.register_forward_hook(lambda m, a, o, rec=rec: rec.__setitem__("y", o))
         with torch.no_grad():
             model(windows)
             h1.remove()
