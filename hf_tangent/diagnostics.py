@@ -214,16 +214,14 @@ def diagnose(model, windows: torch.Tensor, *, layers: list[int] | None = None, b
     """Per-layer records over token windows (n, T); the model's mode is left as it was."""
     if len(windows) == 0:
         raise ValueError("diagnostics: no windows to run on.")
+    from .evaluation import forward_windows
+
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
     try:
         with record(model, layers) as recorder:
-            for start in range(0, len(windows), batch_size):
-                batch = windows[start : start + batch_size].to(device)
-                model(input_ids=batch, use_cache=False)
-                if progress is not None:
-                    progress.update(len(batch))
+            for _ in forward_windows(model, windows, batch_size=batch_size, progress=progress):
+                pass
     finally:
         model.train(was_training)
     return recorder.records()

@@ -14,20 +14,27 @@ import torch.nn.functional as F
 PERPLEXITY_METRIC = os.path.join(os.path.dirname(__file__), "metrics", "tangent_perplexity")
 
 
+def forward_windows(model, windows: torch.Tensor, *, batch_size: int = 1, progress=None):
+    """Yield (batch, model output) over (n, T) token windows, `batch_size` at a time; the progress
+    bar advances by windows. Callers run it under torch.no_grad()."""
+    device = next(model.parameters()).device
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size].to(device)  # (b, T)
+        yield batch, model(input_ids=batch, use_cache=False)
+        if progress is not None:
+            progress.update(len(batch))
+
+
 @torch.no_grad()
 def window_nll(model, windows: torch.Tensor, *, batch_size: int = 1, progress=None) -> torch.Tensor:
     """Summed next-token NLL of each window, (n,), in float64; each window predicts seq_len - 1 tokens."""
-    device = next(model.parameters()).device
     sums = []
-    for start in range(0, len(windows), batch_size):
-        batch = windows[start : start + batch_size].to(device)  # (b, T)
-        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (b, T-1, V)
+    for batch, output in forward_windows(model, windows, batch_size=batch_size, progress=progress):
+        logits = output.logits[:, :-1].float()  # (b, T-1, V)
         targets = batch[:, 1:]  # (b, T-1)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
         nll = nll.view(targets.shape)  # (b, T-1)
         sums.append(nll.sum(-1).double().cpu())
-        if progress is not None:
-            progress.update(len(batch))
     return torch.cat(sums)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .config import TangentConfig
 from .diagnostics import RunningStat
-from .evaluation import perplexity
+from .evaluation import forward_windows, perplexity
 from .patching import get_config, patch, tangent_layers, unpatch
 from .registry import get_spec
 
@@ -79,13 +79,9 @@ def sensitivity(model, windows: torch.Tensor, *, batch_size: int = 1, progress=N
                     ffn_out.register_forward_hook(on_ffn), layer.register_forward_hook(on_output)]
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
     try:
-        for start in range(0, len(windows), batch_size):
-            batch = windows[start : start + batch_size].to(device)
-            model(input_ids=batch, use_cache=False)
-            if progress is not None:
-                progress.update(len(batch))
+        for _ in forward_windows(model, windows, batch_size=batch_size, progress=progress):
+            pass
     finally:
         for h in handles:
             h.remove()

@@ -12,6 +12,15 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def gate_profile(gates: dict[int, float], path: str, title: str = "Calibrated FFN gates") -> str:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -22,10 +31,7 @@ def gate_profile(gates: dict[int, float], path: str, title: str = "Calibrated FF
     ax.set_ylabel("gate alpha_l")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, title: str = "Training loss") -> str:
@@ -44,10 +50,7 @@ def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, tit
     ax.set_ylabel("training loss")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def diagnostics_layers(records: list[dict], path: str, title: str = "Per-layer diagnostics") -> str:
@@ -74,10 +77,7 @@ def diagnostics_layers(records: list[dict], path: str, title: str = "Per-layer d
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def ablation_bars(rows: list[dict], path: str, title: str = "Loss increase over full") -> str:
@@ -92,10 +92,7 @@ def ablation_bars(rows: list[dict], path: str, title: str = "Loss increase over 
     ax.set_ylabel("loss increase (nats/token), 95% CI")
     ax.set_yscale("symlog", linthresh=0.1)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def ablation_heatmap(rows: list[dict], path: str, title: str = "Loss increase, one layer at a time") -> str:
@@ -111,10 +108,7 @@ def ablation_heatmap(rows: list[dict], path: str, title: str = "Loss increase, o
     ax.set_xlabel("layer")
     fig.colorbar(image, ax=ax, label="loss increase (nats/token)")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def sensitivity_profile(layers: list[dict], path: str, title: str = "FFN input sensitivity C_l") -> str:
@@ -126,10 +120,7 @@ def sensitivity_profile(layers: list[dict], path: str, title: str = "FFN input s
     ax.set_xlabel("layer")
     ax.set_ylabel("C_l (mean, +- sd over windows)")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def parallel_sweep(curves: dict, random_std: dict, path: str, title: str = "Parallel-residual conversion") -> str:
@@ -147,7 +138,4 @@ def parallel_sweep(curves: dict, random_std: dict, path: str, title: str = "Para
     ax.set_yscale("symlog", linthresh=0.01)
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
