@@ -30,8 +30,14 @@ AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True). No hf_tangen
 
 from transformers import {base} as _Base
 
+# transformers (4.x) copies only the files this module imports directly: import every one.
+from ._version import __version__  # noqa: F401
 from .config import TangentConfig
+from .fused import fused_residual_delta  # noqa: F401
+from .fused_parallel import FusedParallelExecution  # noqa: F401
 from .patching import CONFIG_KEY, patch
+from .registry import get_spec  # noqa: F401
+from .rules import residual_delta  # noqa: F401
 
 
 class {cls}(_Base):

@@ -127,7 +127,7 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
     spec = get_spec(model_type)
     layers = spec.decoder_layers(model)
     for i, layer in enumerate(layers):
-        if "forward" in vars(layer):
+        if _has_foreign_forward(layer):
             raise ValueError(
                 f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
                 "by another patching tool; hf_tangent only patches unmodified layers."
@@ -135,6 +135,19 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
         for role in ("input_norm", "attention", "ffn_norm", "ffn_out"):
             spec.submodule(layer, role)
     return spec, layers
+
+
+def _has_foreign_forward(layer: nn.Module) -> bool:
+    """True when an instance-level `forward` is not the layer class's own forward (or a wrapper of
+    it, as transformers' output recording installs): another tool replaced the computation."""
+    fn = vars(layer).get("forward")
+    own = type(layer).forward
+    while fn is not None:
+        fn = getattr(fn, "__func__", fn)
+        if fn is own:
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return "forward" in vars(layer)
 
 
 def _patched_layers(model) -> list[tuple[nn.Module, TangentLayer]]:

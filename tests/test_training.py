@@ -257,3 +257,16 @@ def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch):
     assert calls["config"]["hf_tangent"]["config"]["gates"] is True
     with pytest.raises(ValueError, match="expects a model patched"):
         ht.push_to_hub(AutoModelForCausalLM.from_pretrained(out / "model"), "user/x")
+
+
+def test_remote_code_ships_every_module_it_imports():
+    import re
+
+    from hf_tangent import hub
+
+    shipped = set(hub.REMOTE_CODE_MODULES)
+    texts = [(hub.PACKAGE_DIR / name).read_text() for name in shipped] + [hub._MODELING_TEMPLATE]
+    for text in texts:
+        for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):
+            assert f"{module}.py" in shipped, module
+        assert not re.search(r"^\s*from \. import|^\s*import hf_tangent|^\s*from hf_tangent", text, flags=re.M)
