@@ -259,13 +259,27 @@ def _world_rank() -> int:
 def run_eval(args) -> dict:
     from tqdm.auto import tqdm
 
-    from .evaluation import evaluate_variants, update_variants
+    from .evaluation import evaluate_variants, perplexity, update_variants
+    from .patching import get_config, unpatch
 
     names = args.updates or list(update_variants())
     model, _, windows, _ = load_inputs(args)
+    loaded = get_config(model)  # a folder saved with a patch: evaluate that patch too
     start = time.time()
-    with tqdm(total=len(set(names) | {"unpatched"}) * len(windows), desc="hf-tangent eval", unit="window") as bar:
+    total = (len(set(names) | {"unpatched"}) + (loaded is not None)) * len(windows)
+    with tqdm(total=total, desc="hf-tangent eval", unit="window") as bar:
+        saved_row = None
+        if loaded is not None:
+            bar.set_postfix_str("saved patch")
+            result = perplexity(model, windows, batch_size=args.batch_size, progress=bar)
+            saved_row = {"variant": "saved patch (as loaded)", "config": loaded.to_dict(), "nll": result["nll"],
+                         "perplexity": result["perplexity"], "tokens": result["tokens"]}
+            unpatch(model)
         rows = evaluate_variants(model, windows, names, batch_size=args.batch_size, progress=bar)
+    if saved_row is not None:
+        saved_row["delta_nll"] = saved_row["nll"] - rows[0]["nll"]
+        saved_row["delta_perplexity"] = saved_row["perplexity"] - rows[0]["perplexity"]
+        rows.insert(1, saved_row)
     report = {
         "command": "eval", "model": args.model, "text": args.text_files or args.dataset or "austen:evaluation",
         "seq_len": args.seq_len, "windows": len(windows), "tokens_per_variant": rows[0]["tokens"],

@@ -82,3 +82,22 @@ def test_console_script_runs_the_offline_default(tmp_path):
     unpatched, projected = report["rows"]
     assert 1.0 < unpatched["perplexity"] < 200.0  # a pretrained model, not random weights (~49152)
     assert projected["delta_nll"] == pytest.approx(projected["nll"] - unpatched["nll"])
+
+
+def test_eval_of_a_saved_patched_folder_reports_its_patch(tiny_folder, austen_dir, tmp_path):
+    import hf_tangent as ht
+
+    model = ht.patch(LlamaForCausalLM.from_pretrained(tiny_folder), ht.TangentConfig(update="zero", layers=[0]))
+    model.save_pretrained(tmp_path / "patched")
+    load_tokenizer(str(tiny_folder)).save_pretrained(tmp_path / "patched")
+    assert cli.main(["eval", "--model", str(tmp_path / "patched"), "--text-files", str(austen_dir / "emma.txt"),
+                     "--seq-len", "32", "--max-windows", "2", "--updates", "zero (ablation)",
+                     "--output-dir", str(tmp_path / "out")]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    assert rows["saved patch (as loaded)"]["config"]["layers"] == [0]
+    unpatched = ht.unpatch(ht.from_pretrained(tmp_path / "patched"))
+    windows = pack_windows(load_tokenizer(str(tiny_folder)), [open(austen_dir / "emma.txt").read()], 32, 2)
+    from hf_tangent.evaluation import perplexity
+
+    assert rows["unpatched"]["nll"] == pytest.approx(perplexity(unpatched, windows)["nll"], rel=1e-6)
+    assert rows["saved patch (as loaded)"]["nll"] != rows["unpatched"]["nll"]

@@ -130,3 +130,13 @@ def test_plain_transformers_loads_the_base_model(tmp_path, ids):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, make_tiny("llama")(ids).logits)
+
+
+def test_sharded_save_reloads_gates(tmp_path, ids):
+    model = save_patched("llama", tmp_path / "full")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    reloaded = ht.from_pretrained(tmp_path / "sharded").eval()
+    assert [c.gate.item() for c in ht.tangent_layers(reloaded) if c.gate is not None] == [0.5, 1.0]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
