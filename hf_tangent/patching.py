@@ -9,6 +9,7 @@ A layer's forward is never replaced. Each selected decoder layer gets a child mo
 
 The gate (if any) is a parameter of that child, which is called in forward (DeepSpeed ZeRO-3
 gathers it). `unpatch` removes exactly these hooks and children: outputs are bit-identical again.
+The one exception to "hooks only" is the opt-in fused parallel execution (fused_parallel.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class TangentLayer(nn.Module):
 
     def _apply_update(self, module, args, output):
         x, self._x = self._x, None
+        if x is None:  # the FFN called on its own, outside the layer's forward: leave it alone
+            return None
         if isinstance(output, tuple):
             return (self(x, output[0]),) + tuple(output[1:])
         return self(x, output)
