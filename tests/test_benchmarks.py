@@ -40,3 +40,11 @@ def test_diagnostics_overhead_tiny(tmp_path):
     run("diagnostics_overhead.py", "--tiny", "--repeats", "2", "--output", str(out))
     result = json.loads(out.read_text())
     assert result["benchmark"] == "diagnostics_overhead" and result["ratio_median"] > 0
+
+
+def test_parallel_speed_tiny(tmp_path):
+    out = tmp_path / "speed.json"
+    run("parallel_speed.py", "--tiny", "--output", str(out))
+    result = json.loads(out.read_text())
+    assert len(result["layers"]) == 2 and result["estimated_speedup"] >= 1.0
+    assert result["measured_speedup_hooks"] > 0 and result["measured_speedup_fused"] > 0

@@ -270,3 +270,11 @@ def test_remote_code_ships_every_module_it_imports():
         for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):
             assert f"{module}.py" in shipped, module
         assert not re.search(r"^\s*from \. import|^\s*import hf_tangent|^\s*from hf_tangent", text, flags=re.M)
+
+
+def test_calibration_options_checkpointing_accumulation_bf16(tiny_lm_folder, austen_dir, tmp_path):
+    report = calibrate(tiny_lm_folder, tmp_path / "opts", austen_dir, "--gradient-checkpointing", "--grad-accum", "2",
+                       "--bf16", "--batch-size", "4", "--max-steps", "2", "--no-save-model")
+    assert report["training"]["gradient_checkpointing"] and report["training"]["bf16"]
+    assert report["training"]["grad_accum"] == 2 and len(report["loss_curve"]) == 2
+    assert all(abs(g - 1.0) > 1e-4 for g in report["gates"].values())
