@@ -12,12 +12,13 @@ from .hub import push_to_hub, save_hub_folder
 from .parallel import parallelize
 from .patching import get_config, patch, tangent_layers, unpatch
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
-from .serialization import from_pretrained
+from .serialization import from_config, from_pretrained
 
 __all__ = [
     "ArchitectureSpec",
     "TangentConfig",
     "__version__",
+    "from_config",
     "from_pretrained",
     "get_config",
     "parallelize",

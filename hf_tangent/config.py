@@ -15,7 +15,11 @@ from typing import Any
 
 from ._version import __version__
 
-UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "retract")
+UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "retract",
+           "tangent_noise", "gaussian_noise", "residual_dropout")
+# Training-time stochastic updates (math.md section 3): exactly "add" in eval mode.
+NOISE_UPDATES = ("tangent_noise", "gaussian_noise", "residual_dropout")
+BRANCHES = ("ffn", "attention")
 # Named retractions of math.md section 2, as the p of theta_p(t) = p * atan(t / p).
 RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
 EPS_MODES = ("absolute", "relative")
@@ -68,6 +72,17 @@ class TangentConfig:
                           "eps * mean(||x||^2) over the tokens of the call."},
     )
     eps_mode: str = field(default="absolute", metadata={"help": "'absolute' or 'relative' eps."})
+    gamma: float = field(
+        default=0.0,
+        metadata={"help": "noise updates only: tangent noise scale gamma >= 0 (math.md section 3); the gaussian and "
+                          "dropout updates inject the same expected noise energy per token."},
+    )
+    noise_h: float = field(default=0.1, metadata={"help": "noise updates only: step h > 0 of the drift h*p and noise gamma*sqrt(h)*q."})
+    noise_rank: int = field(default=4, metadata={"help": "tangent_noise only: rank r of the shared symmetric drift field."})
+    branches: tuple[str, ...] = field(
+        default=("ffn",),
+        metadata={"help": "residual branches the rule applies to: ('ffn',) or ('ffn', 'attention') (GeoNorm style)."},
+    )
     layers: tuple[int, ...] | None = field(
         default=None, metadata={"help": "Layer indices to patch (negative allowed); None = every layer."}
     )
@@ -112,6 +127,16 @@ class TangentConfig:
             _fail("alpha", self.alpha, "a finite number")
         if not _is_real(self.eps) or not math.isfinite(self.eps) or self.eps <= 0:
             _fail("eps", self.eps, "a finite number > 0 (e.g. 1e-6)")
+        if not _is_real(self.gamma) or not math.isfinite(self.gamma) or self.gamma < 0:
+            _fail("gamma", self.gamma, "a finite number >= 0")
+        if not _is_real(self.noise_h) or not math.isfinite(self.noise_h) or self.noise_h <= 0:
+            _fail("noise_h", self.noise_h, "a finite number > 0")
+        if not isinstance(self.noise_rank, int) or isinstance(self.noise_rank, bool) or self.noise_rank < 1:
+            _fail("noise_rank", self.noise_rank, "an integer >= 1")
+        branches = tuple(self.branches) if isinstance(self.branches, (list, tuple)) else None
+        if not branches or any(b not in BRANCHES for b in branches) or len(set(branches)) != len(branches):
+            _fail("branches", self.branches, "a non-empty subset of " + ", ".join(repr(b) for b in BRANCHES))
+        self.branches = branches
         if self.eps_mode not in EPS_MODES:
             _fail("eps_mode", self.eps_mode, ", ".join(repr(m) for m in EPS_MODES))
         if self.parallel_execution not in PARALLEL_EXECUTIONS:
@@ -144,6 +169,7 @@ class TangentConfig:
         out = dataclasses.asdict(self)
         out["layers"] = None if self.layers is None else list(self.layers)
         out["parallel_layers"] = list(self.parallel_layers)
+        out["branches"] = list(self.branches)
         out["p"] = "inf" if math.isinf(self.p) else self.p  # JSON has no Infinity
         out["hf_tangent_version"] = __version__
         return out

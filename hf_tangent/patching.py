@@ -19,11 +19,11 @@ import warnings
 import torch
 from torch import nn
 
-from .config import TangentConfig
+from .config import NOISE_UPDATES, TangentConfig
 from .fused import fused_residual_delta
 from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec, get_spec
-from .rules import residual_delta
+from .rules import noise_delta, residual_delta
 
 CHILD_NAME = "tangent_patch"
 CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
@@ -44,11 +44,16 @@ class TangentLayer(nn.Module):
         self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
         self._x = None
         self._block_input = None
+        self._attention_x = None
+        self.attention_branch = update and "attention" in config.branches and config.update != "add"
         self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
         c = self.config
+        if c.update in NOISE_UPDATES:
+            return noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
+                               training=self.training, gate=self.gate)
         delta = fused_residual_delta if c.implementation == "fused" else residual_delta
         return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
 
@@ -61,6 +66,16 @@ class TangentLayer(nn.Module):
     # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them)
     def _record_block_input(self, module, args, kwargs):
         self._block_input = args[0] if args else next(iter(kwargs.values()))
+        self._attention_x = self._block_input
+
+    def _apply_attention_update(self, module, args, output):
+        """The rule on the attention branch (branches includes 'attention'): x = the block input."""
+        x, self._attention_x = self._attention_x, None
+        if x is None:
+            return None
+        if isinstance(output, tuple):
+            return (self(x, output[0]),) + tuple(output[1:])
+        return self(x, output)
 
     def _record_x(self, module, args, kwargs):
         if self.parallel and self._block_input is not None:
@@ -84,8 +99,10 @@ class TangentLayer(nn.Module):
         if self.parallel and self.config.parallel_execution == "fused":
             self.fused_execution = FusedParallelExecution(spec, layer)
             self.fused_execution.install()
-        if self.parallel:
+        if self.parallel or self.attention_branch:
             spec.submodule(layer, "input_norm").register_forward_pre_hook(self._record_block_input, with_kwargs=True)
+        if self.attention_branch:
+            spec.submodule(layer, "attention_out").register_forward_hook(self._apply_attention_update)
         if self.parallel or self.applies_update:
             spec.submodule(layer, "ffn_norm").register_forward_pre_hook(self._record_x, with_kwargs=True)
         if self.applies_update:
@@ -135,7 +152,7 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
                 f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
                 "by another patching tool; hf_tangent only patches unmodified layers."
             )
-        for role in ("input_norm", "attention", "ffn_norm", "ffn_out"):
+        for role in ("input_norm", "attention", "attention_out", "ffn_norm", "ffn_out"):
             spec.submodule(layer, role)
     return spec, layers
 

@@ -20,6 +20,7 @@ class ArchitectureSpec:
     ffn_norm: str  # its input is the residual x that the FFN update is added to
     mlp: str
     ffn_out: str | None = None  # module whose output the layer adds to the residual; default: mlp
+    attention_out: str | None = None  # module whose output is the attention update added; default: attention
     parallel_attr: str | None = None  # layer attribute that is True on a parallel block (GPT-NeoX)
     # Optional fused parallel execution (fused_parallel.py): Linear input projections, relative to the layer.
     fused_attention_in: tuple[str, ...] = ()
@@ -42,7 +43,12 @@ class ArchitectureSpec:
         )
 
     def submodule(self, layer: nn.Module, role: str) -> nn.Module:
-        path = self.ffn_out_path if role == "ffn_out" else getattr(self, role)
+        if role == "ffn_out":
+            path = self.ffn_out_path
+        elif role == "attention_out":
+            path = self.attention_out or self.attention
+        else:
+            path = getattr(self, role)
         module = _get(layer, path)
         if not isinstance(module, nn.Module):
             raise ValueError(
@@ -102,14 +108,16 @@ _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attentio
 
 register_architecture(model_type="gpt2", layers="transformer.h", input_norm="ln_1", attention="attn",
                       ffn_norm="ln_2", mlp="mlp")
-# GPT-NeoX adds post_mlp_dropout(mlp(...)) to the residual; use_parallel_residual is read per layer.
+# GPT-NeoX adds post_mlp_dropout(mlp(...)) and post_attention_dropout(attention(...)) to the residual;
+# use_parallel_residual is read per layer.
 register_architecture(model_type="gpt_neox", layers="gpt_neox.layers", input_norm="input_layernorm",
                       attention="attention", ffn_norm="post_attention_layernorm", mlp="mlp",
-                      ffn_out="post_mlp_dropout", parallel_attr="use_parallel_residual")
+                      ffn_out="post_mlp_dropout", attention_out="post_attention_dropout",
+                      parallel_attr="use_parallel_residual")
 register_architecture(model_type="llama", **_LLAMA_LIKE)
 register_architecture(model_type="mistral", **_LLAMA_LIKE)
 register_architecture(model_type="qwen2", **_LLAMA_LIKE)
-# Gemma 2 normalises the MLP output before the residual add: that norm's output is what is added.
+# Gemma 2 normalises the attention and MLP outputs before the residual adds: those norms' outputs are added.
 register_architecture(model_type="gemma2", layers="model.layers", input_norm="input_layernorm",
                       attention="self_attn", ffn_norm="pre_feedforward_layernorm", mlp="mlp",
-                      ffn_out="post_feedforward_layernorm")
+                      ffn_out="post_feedforward_layernorm", attention_out="post_attention_layernorm")

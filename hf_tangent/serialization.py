@@ -115,3 +115,11 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
             if child.gate is not None:
                 child.gate.copy_(gates[child.index].to(child.gate.dtype))
     return model
+
+
+def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):
+    """A freshly initialised model for a transformers `config`, patched with `tangent_config`:
+    the patch applies to a from-scratch model exactly as to a pretrained one."""
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    return patch(model_class.from_config(config, **kwargs), tangent_config)
