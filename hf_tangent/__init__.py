@@ -9,6 +9,7 @@ Importing this package changes nothing: every patch is per model instance.
 from ._version import __version__
 from .config import TangentConfig
 from .hub import push_to_hub, save_hub_folder
+from .models import load_model
 from .parallel import parallelize
 from .patching import get_config, patch, tangent_layers, unpatch
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
@@ -21,6 +22,7 @@ __all__ = [
     "from_config",
     "from_pretrained",
     "get_config",
+    "load_model",
     "parallelize",
     "patch",
     "push_to_hub",
