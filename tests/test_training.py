@@ -278,3 +278,18 @@ def test_calibration_options_checkpointing_accumulation_bf16(tiny_lm_folder, aus
     assert report["training"]["gradient_checkpointing"] and report["training"]["bf16"]
     assert report["training"]["grad_accum"] == 2 and len(report["loss_curve"]) == 2
     assert all(abs(g - 1.0) > 1e-4 for g in report["gates"].values())
+
+
+def test_full_finetune_changes_weights_and_keeps_the_patch(tiny_lm_folder, austen_dir, tmp_path):
+    out = tmp_path / "full"
+    assert cli.main(["finetune", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
+                     "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
+                     "--max-windows", "2", "--train-windows", "8", "--batch-size", "4", "--max-steps", "2",
+                     "--updates", "retract p=2 (cayley)", "--seeds", "0", "--method", "full", "--save-models",
+                     "--learning-rate", "1e-3", "--output-dir", str(out)]) == 0
+    saved = out / "runs" / "retract_p=2-seed0" / "model"
+    model = ht.from_pretrained(saved)
+    assert ht.get_config(model).update == "retract" and ht.get_config(model).p == 2.0
+    before = load_file(tiny_lm_folder / "model.safetensors")
+    after = load_file(saved / "model.safetensors")
+    assert not torch.equal(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
