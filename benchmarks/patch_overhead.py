@@ -93,18 +93,19 @@ def train_suite(model, ids, rule, repeats, device):
 
 
 def saved_bytes(model, ids) -> int:
-    total = 0
+    """Bytes of the distinct storages autograd keeps for backward (a tensor saved twice counts once)."""
+    storages = {}
 
     def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(ids, labels=ids).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total
+    return sum(storages.values())
 
 
 def peak_step_memory(model, ids, device) -> int:
