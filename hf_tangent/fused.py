@@ -32,40 +32,46 @@ def _safe(value, ok):
     return torch.where(ok, value, torch.ones_like(value))
 
 
+def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
+    """(x_next - x in y's dtype, the eps actually used): the fused forward's arithmetic."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    xf, yf = x.to(dtype), y.to(dtype)
+    z = yf * gate.to(dtype) if gate is not None else yf
+    eps_value = resolve_eps(xf, eps, eps_mode)
+    if update == "add":
+        delta = alpha * z if alpha != 1.0 else z
+    elif update == "zero":
+        delta = torch.zeros_like(z)
+    else:  # addcmul: one pass for "z - b c x"; per-token scalars stay (..., 1)
+        c = _dot(xf, z) / (_dot(xf, xf) + eps_value)
+        if update in ("projected", "soft"):
+            b = beta if update == "soft" else 1.0
+            delta = torch.addcmul(alpha * z if alpha != 1.0 else z, c, xf, value=-alpha * b)
+        elif update == "radial":
+            delta = (alpha * c) * xf
+        elif update == "norm_preserving":
+            t = torch.addcmul(z, c, xf, value=-1.0)
+            delta = t * (alpha * z.norm(dim=-1, keepdim=True) / (t.norm(dim=-1, keepdim=True) + eps_value))
+        elif update == "retract":
+            tangent = torch.addcmul(z, c, xf, value=-1.0)  # v / alpha
+            r = xf.norm(dim=-1, keepdim=True)
+            t = abs(alpha) * tangent.norm(dim=-1, keepdim=True) / _safe(r, r > 0)
+            theta = retraction_angle(t, p)
+            moving = t > 0
+            b = torch.where(moving, torch.sin(theta) / _safe(t, moving), torch.ones_like(t))
+            delta = torch.addcmul(-2.0 * torch.sin(theta / 2) ** 2 * xf, alpha * b, tangent)
+        else:
+            raise ValueError(f"unknown update rule {update!r}")
+    return delta.to(y.dtype), eps_value
+
+
 class _TangentUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, update, alpha, beta, p, eps, eps_mode):
-        dtype = torch.promote_types(y.dtype, torch.float32)
-        xf, yf = x.to(dtype), y.to(dtype)
-        z = yf * gate.to(dtype) if gate is not None else yf
-        eps_value = resolve_eps(xf, eps, eps_mode)
+        delta, eps_value = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
         ctx.save_for_backward(x, y, gate)
         ctx.params = (update, alpha, beta, p, eps_value)
-        if update == "add":
-            delta = alpha * z if alpha != 1.0 else z
-        elif update == "zero":
-            delta = torch.zeros_like(z)
-        else:  # addcmul: one pass for "z - b c x"; per-token scalars stay (..., 1)
-            c = _dot(xf, z) / (_dot(xf, xf) + eps_value)
-            if update in ("projected", "soft"):
-                b = beta if update == "soft" else 1.0
-                delta = torch.addcmul(alpha * z if alpha != 1.0 else z, c, xf, value=-alpha * b)
-            elif update == "radial":
-                delta = (alpha * c) * xf
-            elif update == "norm_preserving":
-                t = torch.addcmul(z, c, xf, value=-1.0)
-                delta = t * (alpha * z.norm(dim=-1, keepdim=True) / (t.norm(dim=-1, keepdim=True) + eps_value))
-            elif update == "retract":
-                tangent = torch.addcmul(z, c, xf, value=-1.0)  # v / alpha
-                r = xf.norm(dim=-1, keepdim=True)
-                t = abs(alpha) * tangent.norm(dim=-1, keepdim=True) / _safe(r, r > 0)
-                theta = retraction_angle(t, p)
-                moving = t > 0
-                b = torch.where(moving, torch.sin(theta) / _safe(t, moving), torch.ones_like(t))
-                delta = torch.addcmul(-2.0 * torch.sin(theta / 2) ** 2 * xf, alpha * b, tangent)
-            else:
-                raise ValueError(f"unknown update rule {update!r}")
-        return delta.to(y.dtype)
+        return delta
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,5 +135,8 @@ class _TangentUpdate(torch.autograd.Function):
 
 
 def fused_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute", gate=None):
-    """Same contract as `rules.residual_delta`, through the fused autograd Function."""
+    """Same contract as `rules.residual_delta`, through the fused autograd Function (or, when no
+    gradient is needed, its forward arithmetic alone: no autograd bookkeeping while generating)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
+        return _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)[0]
     return _TangentUpdate.apply(x, y, gate, update, float(alpha), float(beta), float(p), float(eps), eps_mode)

@@ -80,12 +80,13 @@ class TangentLayer(nn.Module):
     def _record_x(self, module, args, kwargs):
         if self.parallel and self._block_input is not None:
             x, self._block_input = self._block_input, None
-            args, kwargs = ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
-        else:  # sequential, or the norm called on its own outside the layer's forward
-            x = args[0] if args else next(iter(kwargs.values()))
+            if self.applies_update:
+                self._x = x
+            return ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
+        # sequential, or the norm called on its own outside the layer's forward: inputs unchanged
         if self.applies_update:
-            self._x = x
-        return args, kwargs
+            self._x = args[0] if args else next(iter(kwargs.values()))
+        return None
 
     def _apply_update(self, module, args, output):
         x, self._x = self._x, None
