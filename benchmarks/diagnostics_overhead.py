@@ -7,13 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 from hf_tangent import diagnostics
-from hf_tangent.timing import interleaved_ratio
+from hf_tangent.timing import emit, interleaved_ratio
 
 
 def build(tiny: bool):
@@ -49,10 +47,7 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "diagnostics_overhead", "model": name, "tokens": ids.numel(),
               "threads": torch.get_num_threads(), **interleaved_ratio(plain, observed, repeats=args.repeats)}
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
-    return result
+    return emit(result, args.output)
 
 
 if __name__ == "__main__":

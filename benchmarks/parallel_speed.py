@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-from pathlib import Path
 
 import torch
 
 import hf_tangent as ht
 from hf_tangent import parallel
-from hf_tangent.timing import interleaved_ratio
+from hf_tangent.timing import emit, interleaved_ratio
 
 
 def main(argv=None) -> dict:
@@ -60,10 +58,7 @@ def main(argv=None) -> dict:
         timing = interleaved_ratio(lambda: run(model), lambda conv=converted: run(conv), repeats=args.repeats)
         result[f"measured_speedup_{execution}"] = 1.0 / timing["ratio_median"]
         result[f"measured_{execution}"] = timing
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
-    return result
+    return emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,15 @@ def interleaved_ratio(baseline, candidate, *, repeats: int = 10, warmup: int = 2
     return {"ratio_median": statistics.median(ratios), "ratio_q25": q[0], "ratio_q75": q[2],
             "baseline_median_s": statistics.median(base_times), "candidate_median_s": statistics.median(cand_times),
             "repeats": repeats}
+
+
+def emit(result: dict, output: str | None = None) -> dict:
+    """Print a benchmark result as JSON and, if `output` is given, write it there."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        Path(output).write_text(text)
+    return result
