@@ -148,13 +148,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     st = sub.add_parser("study", parents=[common_parser()],
                         help="from-scratch training studies: tangential, retraction, noise (docs/studies.md)")
-    st.add_argument("study", help=f"one of: {', '.join(STUDIES)}")
+    st.add_argument("study", nargs="?", help=f"one of: {', '.join(STUDIES)} (or `study:` in a --recipe)")
     st.add_argument("--scale", default="smoke", help=f"one of: {', '.join(SCALES)} (default smoke)")
     st.add_argument("--arch", default="gpt2", help=f"one of: {', '.join(ARCHS)}")
     st.add_argument("--variants", nargs="+", help="subset of the study's variants (the baseline always runs)")
     st.add_argument("--seeds", nargs="+", type=int, help="default: the scale's seeds")
     st.add_argument("--branches", nargs="+", default=["ffn"], help="ffn, or ffn attention (rule on both branches)")
-    st.set_defaults(run=run_study)
+    budget = st.add_argument_group("budget (default: the scale's; --seq-len, --batch-size and --max-windows too)")
+    budget.add_argument("--max-steps", type=int, help="optimizer steps per run")
+    budget.add_argument("--eval-every", type=int, help="steps between validation / diagnostics logs")
+    budget.add_argument("--learning-rate", type=float, help="peak AdamW learning rate (cosine schedule)")
+    budget.add_argument("--train-windows", type=int, help="training windows of --seq-len tokens")
+    st.add_argument("--calibration-files", nargs="+", metavar="FILE",
+                    help="training text files (with --text-files as validation text; default: Austen calibration novels)")
+    # Studies build their models from scratch and take their seeds from --seeds: the common options
+    # below have no default here, so that passing one is an error instead of being ignored.
+    st.set_defaults(run=run_study, model=None, dtype=None, seed=None, seq_len=None, batch_size=None, max_windows=None)
 
     sr = sub.add_parser("study-report", help="write docs/studies.md from study report.json files")
     sr.add_argument("reports", nargs="+", help="report.json files written by `hf-tangent study`")
@@ -165,8 +174,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 # ----------------------------------------------------------------------------- recipes
-def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> list[str]:
-    """A YAML recipe turned into command-line tokens, so argparse checks types and choices."""
+def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> tuple[dict, list[str]]:
+    """A YAML recipe turned into command-line tokens, so argparse checks types and choices:
+    (positional arguments by name, option tokens)."""
     import yaml
 
     path = Path(recipe)
@@ -178,6 +188,8 @@ def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> list[str]:
     if not isinstance(values, dict):
         raise SystemExit(f"hf-tangent: recipe {path} must be a YAML mapping of option: value.")
     options = {a.dest: a for a in subparser._actions if a.option_strings and a.dest not in ("help", "recipe")}
+    positional_names = [a.dest for a in subparser._actions if not a.option_strings]
+    positionals = {name: str(values.pop(name)) for name in positional_names if name in values}
     command = values.pop("command", None)
     if command is not None and command != subparser.prog.split()[-1]:
         raise SystemExit(f"hf-tangent: recipe {path} is for `{command}`, not `{subparser.prog}`.")
@@ -186,7 +198,7 @@ def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> list[str]:
         dest = str(key).replace("-", "_")
         if dest not in options:
             raise SystemExit(f"hf-tangent: recipe key {key!r} does not exist for `{subparser.prog}`; accepted: "
-                             f"{', '.join(sorted(options))}.")
+                             f"{', '.join(sorted([*options, *positional_names]))}.")
         action = options[dest]
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -195,7 +207,7 @@ def recipe_argv(recipe: str, subparser: argparse.ArgumentParser) -> list[str]:
             argv += [flag, *map(str, value)] if value or action.nargs == "*" else []
         elif value is not None:
             argv += [flag, str(value)]
-    return argv
+    return positionals, argv
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -204,7 +216,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if getattr(args, "recipe", None):
         # recipe tokens first: options given on the command line come later and win
-        argv = [args.command, *recipe_argv(args.recipe, subparsers[args.command]), *argv[argv.index(args.command) + 1 :]]
+        positionals, options = recipe_argv(args.recipe, subparsers[args.command])
+        given = [name for name in positionals if getattr(args, name, None) is not None]  # the command line wins
+        head = [value for name, value in positionals.items() if name not in given]
+        argv = [args.command, *head, *options, *argv[argv.index(args.command) + 1 :]]
         args = parser.parse_args(argv)
     for name in ("seq_len", "max_windows", "batch_size", "train_windows", "max_steps", "grad_accum"):
         value = getattr(args, name, None)
@@ -766,35 +781,63 @@ def sweep_markdown(report: dict) -> str:
 def run_study(args) -> dict:
     from tqdm.auto import tqdm
 
-    from . import plots
-    from .studies import SCALES, check_request, run_study, study_markdown
+    from .studies import SCALES, STUDIES, check_request, run_study, study_markdown, write_plots
 
+    if args.study is None:
+        raise ValueError(f"name a study: one of {', '.join(STUDIES)} (or `study:` in a --recipe).")
+    for name, instead in (("model", "models are built from scratch"), ("dtype", "studies train in float32"),
+                          ("seed", "use --seeds")):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name} does not apply to `study` ({instead}).")
     names = check_request(args.study, args.scale, args.variants, args.arch)  # errors before any work
+    overrides = {"max_steps": args.max_steps, "eval_every": args.eval_every, "learning_rate": args.learning_rate,
+                 "train_windows": args.train_windows, "seq_len": args.seq_len, "batch_size": args.batch_size,
+                 "val_windows": args.max_windows}
+    train_docs = val_docs = data = None
+    if args.text_files or args.dataset or args.calibration_files:
+        if args.calibration_files and not args.text_files:
+            raise ValueError("--calibration-files needs --text-files as the validation text.")
+        val_docs, train_docs = _documents(args, training=True)
+        data = (f"{' '.join(args.calibration_files or [])} / {' '.join(args.text_files)}" if args.calibration_files else
+                f"{args.dataset} (train / {args.dataset_split})" if args.dataset else
+                f"{' '.join(args.text_files)} (split by document, last 20% held out)")
     seeds = args.seeds or SCALES[args.scale]["seeds"]
     with tqdm(total=len(names) * len(seeds), desc=f"study {args.study} ({args.scale})", unit="run") as bar:
         report = run_study(args.study, args.scale, arch=args.arch, variants=args.variants, seeds=seeds,
-                           branches=tuple(args.branches), output_dir=args.output_dir, device=args.device, progress=bar)
-    os.makedirs(args.output_dir, exist_ok=True)
-    curves = {}
-    for run in report["runs"]:
-        curves.setdefault(run["variant"], []).append([(h["step"], h["val_loss"]) for h in run["history"]])
-    plots.loss_curves(curves, os.path.join(args.output_dir, f"{args.study}_val_loss.png"),
-                      title=f"{args.study}: validation loss ({args.scale}, {args.arch}; seed min..max band)")
-    report |= _environment(args)
+                           branches=tuple(args.branches), output_dir=args.output_dir, device=args.device, progress=bar,
+                           overrides=overrides, train_docs=train_docs, val_docs=val_docs, data=data)
+    report |= {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
+               "device": args.device}
+    report["plots"] = write_plots(report, args.output_dir)
     write_report(args.output_dir, report, study_markdown(report))
     return report
 
 
 def run_study_report(args) -> dict:
-    from .studies import study_markdown
+    """docs/studies.md from study report.json files; each report (JSON and regenerated plots) is kept
+    in results/studies/<study>-<arch>-<branches>/ next to the page, so the page regenerates from there."""
+    from .studies import study_markdown, write_plots
 
-    reports = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.reports]
+    page = Path(args.output)
     text = ["# From-scratch studies: results", "",
             "Generated by `hf-tangent study-report` from the report.json files of `hf-tangent study` runs; every",
-            "number comes from those files. Plots are in each run's output folder.", ""]
-    text += [study_markdown(r) for r in reports]
-    Path(args.output).write_text("\n".join(text), encoding="utf-8")
-    print(f"wrote {args.output}")
+            "number and plot comes from those files, kept next to this page in `results/studies/`. To regenerate:",
+            f"`hf-tangent study-report {page.parent.name}/results/studies/*/report.json --output {page}`.", ""]
+    for path in args.reports:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        for key in ("study", "scale", "arch", "branches", "runs", "summary", "settings"):
+            if key not in report:
+                raise ValueError(f"{path} is not a `hf-tangent study` report (no {key!r}).")
+        folder = page.parent / "results" / "studies" / f"{report['study']}-{report['arch']}-{'+'.join(report['branches'])}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if Path(path).resolve() != (folder / "report.json").resolve():
+            report.pop("plots", None)
+            (folder / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+        files = write_plots(report, str(folder))
+        rel = folder.relative_to(page.parent).as_posix()
+        text.append(study_markdown(report | {"plots": {title: f"{rel}/{name}" for title, name in files.items()}}))
+    page.write_text("\n".join(text), encoding="utf-8")
+    print(f"wrote {page}")
     return {}
 
 

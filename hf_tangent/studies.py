@@ -223,23 +223,51 @@ def verdict(study: str, summary: list[dict]) -> str:
             f"{'held' if significant else 'held in the mean only' if better else 'did not hold'} on this data at this scale.")
 
 
+BUDGET_KEYS = ("max_steps", "eval_every", "learning_rate", "batch_size", "seq_len", "train_windows", "val_windows")
+
+
+def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
+    """The scale's settings with the user's budget overrides (only keys in BUDGET_KEYS, positive values)."""
+    scale = dict(SCALES[scale_name])
+    for key, value in (overrides or {}).items():
+        if key not in BUDGET_KEYS:
+            raise ValueError(f"unknown study setting {key!r}; accepted: {', '.join(BUDGET_KEYS)}.")
+        if value is None:
+            continue
+        if not value > 0:
+            raise ValueError(f"study setting {key}={value} must be positive.")
+        scale[key] = value
+    return scale
+
+
 def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", variants=None, seeds=None,
-              branches=("ffn",), output_dir: str = "runs/study", device: str = "cpu", progress=None) -> dict:
+              branches=("ffn",), output_dir: str = "runs/study", device: str = "cpu", progress=None,
+              overrides: dict | None = None, train_docs=None, val_docs=None, data: str | None = None) -> dict:
+    """Train every variant of `study` for every seed; train_docs / val_docs replace the scale's text.
+
+    The tokenizer is a byte-level BPE of the scale's vocabulary size trained on the training
+    documents only, or GPT-2's where the scale has no vocabulary size (the `paper` scale)."""
     from .data import load_documents, pack_windows
 
     names = check_request(study, scale_name, variants, arch)
-    scale = dict(SCALES[scale_name])
+    scale = resolve_scale(scale_name, overrides)
     seeds = list(seeds or scale["seeds"])
+    if (train_docs is None) != (val_docs is None):
+        raise ValueError("pass both training and validation documents, or neither.")
     start = time.time()
-    if scale.get("dataset"):
-        from transformers import AutoTokenizer
-
+    if train_docs is None and scale.get("dataset"):
         train_docs = load_documents(dataset=scale["dataset"], dataset_split="train")
         val_docs = load_documents(dataset=scale["dataset"], dataset_split="validation")
-        tokenizer = AutoTokenizer.from_pretrained("gpt2")
-    else:
+        data = data or f"{scale['dataset']} (train / validation)"
+    elif train_docs is None:
         train_docs, val_docs = load_documents(split="calibration"), load_documents(split="evaluation")
+        data = data or "Austen: calibration novels / held-out novels (Emma, Mansfield Park)"
+    if scale.get("vocab_size"):
         tokenizer = train_tokenizer(train_docs, scale["vocab_size"])
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained("gpt2")
     train_windows = pack_windows(tokenizer, train_docs, scale["seq_len"], scale["train_windows"])
     val_windows = pack_windows(tokenizer, val_docs, scale["seq_len"], scale["val_windows"])
     runs = []
@@ -252,16 +280,47 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
     summary = summarize(runs, names[0])
     return {"study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
             "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary),
-            "seconds": round(time.time() - start, 1), "train_windows": len(train_windows), "val_windows": len(val_windows)}
+            "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(), "train_windows": len(train_windows), "val_windows": len(val_windows),
+            "data": data or "user documents"}
+
+
+# Quantities logged over training (run["history"]) and plotted, one panel each.
+DIAGNOSTIC_PANELS = {
+    "orthogonality_error": "orthogonality error |cos(x, added update)|",
+    "norm_growth": "residual norm drift (last out / first in)",
+    "diversity_after_ffn": "angular diversity 1-|mean u|^2 (last block)",
+    "overflow_fraction": "fp16 overflow / non-finite fraction",
+    "antipolar_fraction": "anti-polar pairs (cos < -0.9)",
+    "cos_mean": "pairwise cosine mean",
+    "cos_std": "pairwise cosine sd",
+    "kmeans_clusters": "spherical k-means clusters (>= 5%)",
+    "spectrum_entropy": "cosine-spectrum entropy",
+}
+
+
+def write_plots(report: dict, folder: str) -> dict:
+    """Validation loss and diagnostics over training (seed bands) as PNGs in folder; title -> file name."""
+    from . import plots
+
+    os.makedirs(folder, exist_ok=True)
+    label = f"{report['study']} ({report['scale']}, {report['arch']}, branches {'+'.join(report['branches'])})"
+    files = {"validation loss": f"{report['study']}_val_loss.png", "diagnostics": f"{report['study']}_diagnostics.png"}
+    plots.study_curves(report["runs"], {"val_loss": "validation loss (nats/token)"},
+                       os.path.join(folder, files["validation loss"]), f"{label}: seed mean, min..max band")
+    plots.study_curves(report["runs"], DIAGNOSTIC_PANELS, os.path.join(folder, files["diagnostics"]),
+                       f"{label}: diagnostics over training", log_keys=("orthogonality_error",))
+    return files
 
 
 def study_markdown(report: dict) -> str:
     s = report["settings"]
+    where = f" ({report['threads']} CPU threads, device {report.get('device', 'cpu')})" if "threads" in report else ""
     lines = [f"## Study `{report['study']}` ({report['scale']} scale, {report['arch']}, branches {report['branches']})", "",
              f"{s['n_layer']} layers, {s['n_head']} heads, d={s['d_model']}, {s['max_steps']} steps of "
-             f"{s['batch_size']} x {s['seq_len']} tokens, seeds {report['seeds']}; {report['train_windows']} training "
-             f"windows (Austen calibration novels unless a dataset is set), {report['val_windows']} validation windows "
-             f"(held-out novels); {report['seconds']} s.", "",
+             f"{s['batch_size']} x {s['seq_len']} tokens (AdamW, lr {s['learning_rate']:g}, cosine), seeds "
+             f"{report['seeds']}; {report['train_windows']} training and {report['val_windows']} validation windows of "
+             f"{report.get('data', 'Austen: calibration novels / held-out novels')}; wall time "
+             f"{report['seconds']:.0f} s{where}.", "",
              "| variant | final val loss (mean +- sd) | delta vs baseline | p (paired permutation) |",
              "|---|---:|---:|---:|"]
     for r in report["summary"]:
@@ -282,5 +341,7 @@ def study_markdown(report: dict) -> str:
         lines.append(f"| {variant} | {mean('orthogonality_error'):.2e} | {mean('norm_growth'):.3f} | "
                      f"{mean('diversity_after_ffn'):.3f} | {mean('overflow_fraction'):.2e} | {mean('antipolar_fraction'):.3f} | "
                      f"{mean('kmeans_clusters'):.1f} | {statistics.fmean(var) if var else float('nan'):.3g} |")
-    lines += ["", f"**Verdict.** {report['verdict']}", "", f"![validation loss]({report['study']}_val_loss.png)"]
+    plots = report.get("plots", {"validation loss": f"{report['study']}_val_loss.png"})
+    lines += ["", f"**Verdict.** {report['verdict']}", ""]
+    lines += [f"![{title}]({path})" for title, path in plots.items()]
     return "\n".join(lines) + "\n"

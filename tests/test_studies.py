@@ -25,6 +25,7 @@ def test_every_variant_trains(smoke):
             assert last < first - 0.1, (study, run["variant"])
             assert run["train_loss"][-1][1] < run["train_loss"][0][1]
         assert (folder / f"{study}_val_loss.png").stat().st_size > 1000
+        assert (folder / f"{study}_diagnostics.png").stat().st_size > 10_000
         assert report["verdict"] and "smallest reachable p" in report["verdict"] or study == "retraction"
 
 
@@ -59,6 +60,43 @@ def test_study_report_page(smoke, tmp_path):
     assert cli.main(["study-report", *reports, "--output", str(page)]) == 0
     text = page.read_text()
     assert text.count("**Verdict.**") == 3 and "| retract p=inf |" in text
+    kept = sorted((tmp_path / "results" / "studies").glob("*/report.json"))
+    assert [p.parent.name for p in kept] == ["noise-gpt2-ffn", "retraction-gpt2-ffn+attention", "tangential-gpt2-ffn"]
+    for link in ("results/studies/noise-gpt2-ffn/noise_diagnostics.png",
+                 "results/studies/tangential-gpt2-ffn/tangential_val_loss.png"):
+        assert f"]({link})" in text and (tmp_path / link).stat().st_size > 1000
+    # the page regenerates from the copies kept next to it, to the same text
+    again = tmp_path / "again.md"
+    order = {json.loads(p.read_text())["study"]: p for p in kept}
+    assert cli.main(["study-report", *(str(order[s]) for s in smoke), "--output", str(again)]) == 0
+    assert again.read_text().split("\n", 6)[6] == text.split("\n", 6)[6]
+
+
+def test_study_recipe_budget_and_own_data(tmp_path):
+    """`study:` comes from the recipe, budget options override the scale, --text-files replace the text."""
+    from hf_tangent.data import austen_files
+
+    files = [str(f) for f in austen_files("evaluation")] + [str(f) for f in austen_files("calibration")][:1]
+    assert cli.main(["study", "--recipe", "study_retraction", "--scale", "smoke", "--variants", "retract p=2",
+                     "--seeds", "3", "--max-steps", "4", "--eval-every", "2", "--seq-len", "16",
+                     "--text-files", *files, "--output-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["study"] == "retraction" and report["branches"] == ["ffn"] and report["seeds"] == [3]
+    assert report["settings"]["max_steps"] == 4 and report["settings"]["seq_len"] == 16
+    assert [h["step"] for h in report["runs"][0]["history"]] == [0, 2, 4]
+    assert "split by document" in report["data"] and files[0] in report["data"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["study"], "name a study: one of tangential, retraction, noise"),
+    (["study", "noise", "--model", "gpt2"], "--model does not apply to `study`"),
+    (["study", "noise", "--seed", "1"], "use --seeds"),
+    (["study", "noise", "--eval-every", "0"], "study setting eval_every=0 must be positive"),
+    (["study", "noise", "--calibration-files", "a.txt"], "--calibration-files needs --text-files"),
+])
+def test_bad_study_options(args, message, tmp_path, capsys):
+    assert cli.main([*args, "--output-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -70,3 +108,11 @@ def test_study_report_page(smoke, tmp_path):
 def test_bad_study_requests(args, message, tmp_path, capsys):
     assert cli.main([*args, "--output-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_study_recipes_name_their_study_and_the_command_line_wins():
+    for study in studies.STUDIES:
+        args = cli.parse_args(["study", "--recipe", f"study_{study}"])
+        assert (args.study, args.scale, args.output_dir) == (study, "cpu", f"runs/study-{study}")
+    args = cli.parse_args(["study", "noise", "--recipe", "study_tangential", "--branches", "ffn", "attention"])
+    assert args.study == "noise" and args.branches == ["ffn", "attention"]
