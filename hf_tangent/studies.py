@@ -191,15 +191,30 @@ def summarize(runs: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
-def verdict(study: str, summary: list[dict]) -> str:
-    """One sentence per study, from the numbers, with the confidence the seeds allow."""
+def paired(runs: list[dict], a: str, b: str) -> tuple[float, float]:
+    """Mean over shared seeds of final loss(a) - final loss(b), and its paired permutation p-value."""
+    by = {(r["variant"], r["seed"]): r["final_val_loss"] for r in runs}
+    deltas = [by[(a, s)] - by[(b, s)] for (v, s) in by if v == a and (b, s) in by]
+    return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (float("nan"), float("nan"))
+
+
+def verdict(study: str, summary: list[dict], runs: list[dict] | None = None) -> str:
+    """One sentence per study, from the numbers, with the confidence the seeds allow; with the runs,
+    also the paired comparisons of the best variant against the other contenders."""
     base, others = summary[0], summary[1:]
     n = base["seeds"]
     floor = 2 / 2**n
     if study == "retraction":
         best = min(summary, key=lambda r: r["final_val_loss_mean"])
         finite = best["variant"] not in ("euclidean", "retract p=inf")
-        return (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}). The "
+        against = ""
+        if best is not base:
+            against = f" (vs euclidean {best['delta_mean']:+.4f}, p = {best['p_value']:.3f}"
+            if runs and finite and any(r["variant"] == "retract p=inf" for r in runs):
+                delta, p = paired(runs, best["variant"], "retract p=inf")
+                against += f"; vs retract p=inf {delta:+.4f}, p = {p:.3f}"
+            against += ")"
+        return (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}. The "
                 f"hypothesis (best at a finite p) {'held' if finite else 'did not hold'} on this data at this scale; "
                 f"with {n} seeds the smallest reachable p-value is {floor:.3f}.")
     if study == "noise":
@@ -208,7 +223,9 @@ def verdict(study: str, summary: list[dict]) -> str:
         best = min(tangent, key=lambda r: r["final_val_loss_mean"]) if tangent else None
         if best is None:
             return "No tangent-noise variant was run."
-        comparison = ", ".join(f"{k}: {v['final_val_loss_mean']:.4f}" for k, v in matched.items())
+        comparison = ", ".join(f"{k}: {v['final_val_loss_mean']:.4f}" + (
+            " (paired delta {:+.4f}, p = {:.3f})".format(*paired(runs, best["variant"], k)) if runs else "")
+            for k, v in matched.items())
         beats = all(best["final_val_loss_mean"] < v["final_val_loss_mean"] for v in matched.values()) and \
             best["final_val_loss_mean"] < base["final_val_loss_mean"]
         return (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
@@ -279,7 +296,7 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
                 progress.update(1)
     summary = summarize(runs, names[0])
     return {"study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
-            "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary),
+            "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary, runs),
             "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(), "train_windows": len(train_windows), "val_windows": len(val_windows),
             "data": data or "user documents"}
 
@@ -323,7 +340,8 @@ def study_markdown(report: dict) -> str:
              f"{report['seconds']:.0f} s{where}.", "",
              "| variant | final val loss (mean +- sd) | delta vs baseline | p (paired permutation) |",
              "|---|---:|---:|---:|"]
-    for r in report["summary"]:
+    summary = summarize(report["runs"], report["variants"][0])  # recomputed: the page follows the runs
+    for r in summary:
         p = "" if math.isnan(r["p_value"]) else f"{r['p_value']:.3f}"
         lines.append(f"| {r['variant']} | {r['final_val_loss_mean']:.4f} +- {r['final_val_loss_sd']:.4f} | "
                      f"{r['delta_mean']:+.4f} | {p} |")
@@ -342,6 +360,6 @@ def study_markdown(report: dict) -> str:
                      f"{mean('diversity_after_ffn'):.3f} | {mean('overflow_fraction'):.2e} | {mean('antipolar_fraction'):.3f} | "
                      f"{mean('kmeans_clusters'):.1f} | {statistics.fmean(var) if var else float('nan'):.3g} |")
     plots = report.get("plots", {"validation loss": f"{report['study']}_val_loss.png"})
-    lines += ["", f"**Verdict.** {report['verdict']}", ""]
+    lines += ["", f"**Verdict.** {verdict(report['study'], summary, report['runs'])}", ""]
     lines += [f"![{title}]({path})" for title, path in plots.items()]
     return "\n".join(lines) + "\n"
