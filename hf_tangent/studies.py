@@ -198,46 +198,61 @@ def paired(runs: list[dict], a: str, b: str) -> tuple[float, float]:
     return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (float("nan"), float("nan"))
 
 
-def verdict(study: str, summary: list[dict], runs: list[dict] | None = None) -> str:
-    """One sentence per study, from the numbers, with the confidence the seeds allow; with the runs,
-    also the paired comparisons of the best variant against the other contenders."""
+def _outcome(direction: bool, p_values: list[float]) -> str:
+    """'held' needs the right direction and every paired p <= 0.05; the means alone give 'held in the mean only'."""
+    if not direction:
+        return "did not hold"
+    return "held" if p_values and all(p <= 0.05 for p in p_values) else "held in the mean only"
+
+
+def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = None) -> tuple[str, str]:
+    """(outcome, sentence) per study, from the numbers, with the confidence the seeds allow; with the
+    runs, also the paired comparisons of the best variant against the other contenders."""
     base, others = summary[0], summary[1:]
     n = base["seeds"]
     floor = 2 / 2**n
+    reach = f"with {n} seeds the smallest reachable p-value is {floor:.3f}"
     if study == "retraction":
         best = min(summary, key=lambda r: r["final_val_loss_mean"])
         finite = best["variant"] not in ("euclidean", "retract p=inf")
-        against = ""
+        against, p_values = "", []
         if best is not base:
             against = f" (vs euclidean {best['delta_mean']:+.4f}, p = {best['p_value']:.3f}"
+            p_values.append(best["p_value"])
             if runs and finite and any(r["variant"] == "retract p=inf" for r in runs):
                 delta, p = paired(runs, best["variant"], "retract p=inf")
                 against += f"; vs retract p=inf {delta:+.4f}, p = {p:.3f}"
+                p_values.append(p)
             against += ")"
-        return (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}. The "
-                f"hypothesis (best at a finite p) {'held' if finite else 'did not hold'} on this data at this scale; "
-                f"with {n} seeds the smallest reachable p-value is {floor:.3f}.")
+        outcome = _outcome(finite, p_values)
+        return outcome, (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}. "
+                         f"The hypothesis (best at a finite p) {outcome} on this data at this scale; {reach}.")
     if study == "noise":
         tangent = [r for r in others if r["variant"].startswith("tangent")]
         matched = {r["variant"]: r for r in others if not r["variant"].startswith("tangent")}
-        best = min(tangent, key=lambda r: r["final_val_loss_mean"]) if tangent else None
-        if best is None:
-            return "No tangent-noise variant was run."
+        if not tangent:
+            return "not tested", "No tangent-noise variant was run."
+        best = min(tangent, key=lambda r: r["final_val_loss_mean"])
+        pairs = {k: paired(runs, best["variant"], k) for k in matched} if runs else {}
         comparison = ", ".join(f"{k}: {v['final_val_loss_mean']:.4f}" + (
-            " (paired delta {:+.4f}, p = {:.3f})".format(*paired(runs, best["variant"], k)) if runs else "")
-            for k, v in matched.items())
+            " (paired delta {:+.4f}, p = {:.3f})".format(*pairs[k]) if k in pairs else "") for k, v in matched.items())
         beats = all(best["final_val_loss_mean"] < v["final_val_loss_mean"] for v in matched.values()) and \
             best["final_val_loss_mean"] < base["final_val_loss_mean"]
-        return (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
-                f"{best['delta_mean']:+.4f}, p = {best['p_value']:.3f}); matched comparators: {comparison or 'not run'}. "
-                f"The hypothesis (tangent noise beats no noise and the matched comparators) "
-                f"{'held' if beats else 'did not hold'}; smallest reachable p with {n} seeds: {floor:.3f}.")
+        outcome = _outcome(beats, [best["p_value"], *(p for _, p in pairs.values())] if len(pairs) == len(matched) else [])
+        return outcome, (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
+                         f"{best['delta_mean']:+.4f}, p = {best['p_value']:.3f}); matched comparators: "
+                         f"{comparison or 'not run'}. The hypothesis (tangent noise beats no noise and the matched "
+                         f"comparators) {outcome} on this data at this scale; {reach}.")
     better = [r for r in others if r["delta_mean"] < 0]
     significant = [r for r in better if r["p_value"] <= 0.05]
-    return (f"Variants below the unpatched final validation loss: {[r['variant'] for r in better] or 'none'}; "
-            f"significant at p <= 0.05: {[r['variant'] for r in significant] or 'none'} (smallest reachable p with {n} "
-            f"seeds: {floor:.3f}). The hypothesis (tangential updates train better) "
-            f"{'held' if significant else 'held in the mean only' if better else 'did not hold'} on this data at this scale.")
+    outcome = "held" if significant else "held in the mean only" if better else "did not hold"
+    return outcome, (f"Variants below the unpatched final validation loss: {[r['variant'] for r in better] or 'none'}; "
+                     f"significant at p <= 0.05: {[r['variant'] for r in significant] or 'none'}; {reach}. "
+                     f"The hypothesis (tangential updates train better) {outcome} on this data at this scale.")
+
+
+def verdict(study: str, summary: list[dict], runs: list[dict] | None = None) -> str:
+    return verdict_outcome(study, summary, runs)[1]
 
 
 BUDGET_KEYS = ("max_steps", "eval_every", "learning_rate", "batch_size", "seq_len", "train_windows", "val_windows")
@@ -327,6 +342,21 @@ def write_plots(report: dict, folder: str) -> dict:
     plots.study_curves(report["runs"], DIAGNOSTIC_PANELS, os.path.join(folder, files["diagnostics"]),
                        f"{label}: diagnostics over training", log_keys=("orthogonality_error",))
     return files
+
+
+OVERVIEW_HEADER = ["| study | arch | branches | best variant (mean final val loss) | delta vs baseline | p | "
+                   "hypothesis | wall time |", "|---|---|---|---|---:|---:|---|---:|"]
+
+
+def overview_row(report: dict) -> str:
+    """One line of the results page's overview table for one study report."""
+    summary = summarize(report["runs"], report["variants"][0])
+    best = min(summary, key=lambda r: r["final_val_loss_mean"])
+    outcome, _ = verdict_outcome(report["study"], summary, report["runs"])
+    p = "" if math.isnan(best["p_value"]) else f"{best['p_value']:.3f}"
+    return (f"| {report['study']} | {report['arch']} | {'+'.join(report['branches'])} | {best['variant']} "
+            f"({best['final_val_loss_mean']:.4f}) | {best['delta_mean']:+.4f} | {p} | {outcome} | "
+            f"{report['seconds'] / 60:.1f} min |")
 
 
 def study_markdown(report: dict) -> str:

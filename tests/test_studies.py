@@ -60,6 +60,9 @@ def test_study_report_page(smoke, tmp_path):
     assert cli.main(["study-report", *reports, "--output", str(page)]) == 0
     text = page.read_text()
     assert text.count("**Verdict.**") == 3 and "| retract p=inf |" in text
+    for study in smoke:  # one overview row per report, its outcome one of the three words
+        row = next(line for line in text.splitlines() if line.startswith(f"| {study} | gpt2 |"))
+        assert any(f"| {word} |" in row for word in ("held", "held in the mean only", "did not hold"))
     kept = sorted((tmp_path / "results" / "studies").glob("*/report.json"))
     assert [p.parent.name for p in kept] == ["noise-gpt2-ffn", "retraction-gpt2-ffn+attention", "tangential-gpt2-ffn"]
     for link in ("results/studies/noise-gpt2-ffn/noise_diagnostics.png",
@@ -116,3 +119,25 @@ def test_study_recipes_name_their_study_and_the_command_line_wins():
         assert (args.study, args.scale, args.output_dir) == (study, "cpu", f"runs/study-{study}")
     args = cli.parse_args(["study", "noise", "--recipe", "study_tangential", "--branches", "ffn", "attention"])
     assert args.study == "noise" and args.branches == ["ffn", "attention"]
+
+
+def _runs(losses: dict[str, list[float]]) -> list[dict]:
+    return [{"variant": v, "seed": seed, "final_val_loss": loss} for v, ls in losses.items() for seed, loss in enumerate(ls)]
+
+
+@pytest.mark.parametrize("seeds, best, outcome", [
+    (6, "retract p=4", "held"),                   # lowest on every seed: p = 2 / 2^6 against both contenders
+    (3, "retract p=4", "held in the mean only"),  # same direction, but 3 seeds cannot reach p <= 0.05
+    (6, "retract p=inf", "did not hold"),
+    (6, "euclidean", "did not hold"),
+])
+def test_retraction_verdict_follows_the_paired_statistics(seeds, best, outcome):
+    noise = [0.01 * ((7 * s) % 5) for s in range(seeds)]  # seed-to-seed spread shared by the variants
+    losses = {v: [4.0 + 0.1 * i + n for n in noise] for i, v in enumerate(studies.STUDIES["retraction"])}
+    losses[best] = [value - 1.0 for value in losses[best]]  # p=4: 4.3 - 1 vs euclidean 4.0, p=inf 4.5
+    runs = _runs(losses)
+    summary = studies.summarize(runs, "euclidean")
+    got, sentence = studies.verdict_outcome("retraction", summary, runs)
+    assert got == outcome and f"Best mean final validation loss: {best}" in sentence
+    if outcome == "held":
+        assert f"p = {2 / 2**seeds:.3f}" in sentence and "vs euclidean -0.7000" in sentence and "vs retract p=inf -1.2000" in sentence
