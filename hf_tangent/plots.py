@@ -149,7 +149,8 @@ def study_curves(runs: list[dict], keys: dict[str, str], path: str, title: str, 
     plt = _pyplot()
     cols = min(4, len(keys))
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False)
+    width, height = (3.6, 2.9) if len(keys) > 2 else (5.5, 4.0)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
     variants = list(dict.fromkeys(r["variant"] for r in runs))
     colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
     for ax, (key, label) in zip(axes.flat, keys.items(), strict=False):
@@ -176,7 +177,8 @@ def study_curves(runs: list[dict], keys: dict[str, str], path: str, title: str, 
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(labels) > 4), 1, 0.96))
+    legend_rows = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, min(0.3, 0.035 * legend_rows * 2.9 * 3 / (height * rows)), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

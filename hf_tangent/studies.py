@@ -337,7 +337,13 @@ def write_plots(report: dict, folder: str) -> dict:
     os.makedirs(folder, exist_ok=True)
     label = f"{report['study']} ({report['scale']}, {report['arch']}, branches {'+'.join(report['branches'])})"
     files = {"validation loss": f"{report['study']}_val_loss.png", "diagnostics": f"{report['study']}_diagnostics.png"}
-    plots.study_curves(report["runs"], {"val_loss": "validation loss (nats/token)"},
+    # paired with the baseline of the same seed at the same step: the seed-to-seed spread cancels
+    baseline = {(r["seed"], h["step"]): h["val_loss"] for r in report["runs"] if r["variant"] == report["variants"][0]
+                for h in r["history"]}
+    runs = [r | {"history": [h | {"delta": h["val_loss"] - baseline[(r["seed"], h["step"])]} for h in r["history"]
+                             if (r["seed"], h["step"]) in baseline]} for r in report["runs"]]
+    plots.study_curves(runs, {"val_loss": "validation loss (nats/token)",
+                              "delta": f"validation loss - {report['variants'][0]} (same seed)"},
                        os.path.join(folder, files["validation loss"]), f"{label}: seed mean, min..max band")
     plots.study_curves(report["runs"], DIAGNOSTIC_PANELS, os.path.join(folder, files["diagnostics"]),
                        f"{label}: diagnostics over training", log_keys=("orthogonality_error",))
