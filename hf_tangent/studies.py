@@ -225,8 +225,17 @@ def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = N
                 p_values.append(p)
             against += ")"
         outcome = _outcome(finite, p_values)
-        return outcome, (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}. "
-                         f"The hypothesis (best at a finite p) {outcome} on this data at this scale; {reach}.")
+        family = [r for r in summary if r["variant"].startswith("retract")]
+        within = ""
+        if family:  # where the optimum over p sits among the retraction variants alone
+            top = min(family, key=lambda r: r["final_val_loss_mean"])
+            place = ("at the small-p end of the range tried" if top is family[0] else "at p = inf" if top is family[-1]
+                     else "inside the range tried")
+            within = (f" Among the retraction variants alone the best is {top['variant']} "
+                      f"({top['final_val_loss_mean']:.4f}, {place}; " +
+                      ", ".join(f"{r['variant'].split()[-1]}: {r['final_val_loss_mean']:.4f}" for r in family) + ").")
+        return outcome, (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}."
+                         f"{within} The hypothesis (best at a finite p) {outcome} on this data at this scale; {reach}.")
     if study == "noise":
         tangent = [r for r in others if r["variant"].startswith("tangent")]
         matched = {r["variant"]: r for r in others if not r["variant"].startswith("tangent")}
