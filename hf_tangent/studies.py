@@ -198,11 +198,17 @@ def paired(runs: list[dict], a: str, b: str) -> tuple[float, float]:
     return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (float("nan"), float("nan"))
 
 
-def _outcome(direction: bool, p_values: list[float]) -> str:
-    """'held' needs the right direction and every paired p <= 0.05; the means alone give 'held in the mean only'."""
+def _outcome(direction: bool, p_values: list[float], floor: float) -> str:
+    """'held': the means point the hypothesis' way and every paired p <= 0.05; 'held in the mean only':
+    the means do and every seed agrees (p at its floor 2/2^n), too few seeds for more; 'inconclusive':
+    the means do but some seed disagrees; otherwise 'did not hold'."""
     if not direction:
         return "did not hold"
-    return "held" if p_values and all(p <= 0.05 for p in p_values) else "held in the mean only"
+    if p_values and all(p <= 0.05 for p in p_values):
+        return "held"
+    if p_values and all(p <= floor * (1 + 1e-9) for p in p_values):
+        return "held in the mean only"
+    return "inconclusive"
 
 
 def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = None) -> tuple[str, str]:
@@ -224,7 +230,7 @@ def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = N
                 against += f"; vs retract p=inf {delta:+.4f}, p = {p:.3f}"
                 p_values.append(p)
             against += ")"
-        outcome = _outcome(finite, p_values)
+        outcome = _outcome(finite, p_values, floor)
         family = [r for r in summary if r["variant"].startswith("retract")]
         within = ""
         if family:  # where the optimum over p sits among the retraction variants alone
@@ -247,14 +253,16 @@ def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = N
             " (paired delta {:+.4f}, p = {:.3f})".format(*pairs[k]) if k in pairs else "") for k, v in matched.items())
         beats = all(best["final_val_loss_mean"] < v["final_val_loss_mean"] for v in matched.values()) and \
             best["final_val_loss_mean"] < base["final_val_loss_mean"]
-        outcome = _outcome(beats, [best["p_value"], *(p for _, p in pairs.values())] if len(pairs) == len(matched) else [])
+        outcome = _outcome(beats, [best["p_value"], *(p for _, p in pairs.values())] if len(pairs) == len(matched) else [],
+                           floor)
         return outcome, (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
                          f"{best['delta_mean']:+.4f}, p = {best['p_value']:.3f}); matched comparators: "
                          f"{comparison or 'not run'}. The hypothesis (tangent noise beats no noise and the matched "
                          f"comparators) {outcome} on this data at this scale; {reach}.")
     better = [r for r in others if r["delta_mean"] < 0]
     significant = [r for r in better if r["p_value"] <= 0.05]
-    outcome = "held" if significant else "held in the mean only" if better else "did not hold"
+    outcome = max((_outcome(True, [r["p_value"]], floor) for r in better), default="did not hold",
+                  key=["did not hold", "inconclusive", "held in the mean only", "held"].index)
     return outcome, (f"Variants below the unpatched final validation loss: {[r['variant'] for r in better] or 'none'}; "
                      f"significant at p <= 0.05: {[r['variant'] for r in significant] or 'none'}; {reach}. "
                      f"The hypothesis (tangential updates train better) {outcome} on this data at this scale.")

@@ -125,16 +125,19 @@ def _runs(losses: dict[str, list[float]]) -> list[dict]:
     return [{"variant": v, "seed": seed, "final_val_loss": loss} for v, ls in losses.items() for seed, loss in enumerate(ls)]
 
 
-@pytest.mark.parametrize("seeds, best, outcome", [
-    (6, "retract p=4", "held"),                   # lowest on every seed: p = 2 / 2^6 against both contenders
-    (3, "retract p=4", "held in the mean only"),  # same direction, but 3 seeds cannot reach p <= 0.05
-    (6, "retract p=inf", "did not hold"),
-    (6, "euclidean", "did not hold"),
+@pytest.mark.parametrize("seeds, best, flip, outcome", [
+    (6, "retract p=4", False, "held"),                   # lowest on every seed: p = 2 / 2^6 against both contenders
+    (3, "retract p=4", False, "held in the mean only"),  # every seed agrees, but 3 seeds cannot reach p <= 0.05
+    (6, "retract p=4", True, "inconclusive"),            # lowest in the mean, but seed 0 disagrees
+    (6, "retract p=inf", False, "did not hold"),
+    (6, "euclidean", False, "did not hold"),
 ])
-def test_retraction_verdict_follows_the_paired_statistics(seeds, best, outcome):
+def test_retraction_verdict_follows_the_paired_statistics(seeds, best, flip, outcome):
     noise = [0.01 * ((7 * s) % 5) for s in range(seeds)]  # seed-to-seed spread shared by the variants
     losses = {v: [4.0 + 0.1 * i + n for n in noise] for i, v in enumerate(studies.STUDIES["retraction"])}
     losses[best] = [value - 1.0 for value in losses[best]]  # p=4: 4.3 - 1 vs euclidean 4.0, p=inf 4.5
+    if flip:
+        losses[best][0] += 2.0
     runs = _runs(losses)
     summary = studies.summarize(runs, "euclidean")
     got, sentence = studies.verdict_outcome("retraction", summary, runs)
