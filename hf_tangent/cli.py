@@ -816,7 +816,7 @@ def run_study(args) -> dict:
 def run_study_report(args) -> dict:
     """docs/studies.md from study report.json files; each report (JSON and regenerated plots) is kept
     in results/studies/<study>-<arch>-<branches>/ next to the page, so the page regenerates from there."""
-    from .studies import OVERVIEW_HEADER, overview_row, study_markdown, write_plots
+    from .studies import OVERVIEW_HEADER, merge_reports, overview_row, study_markdown, write_plots
 
     page = Path(args.output)
     text = ["# From-scratch studies: results", "",
@@ -827,21 +827,25 @@ def run_study_report(args) -> dict:
             "mean only\": the means do and every seed agrees, too few seeds for p <= 0.05; \"inconclusive\": the means",
             "do but a seed disagrees; otherwise \"did not hold\" ([studies-guide.md](studies-guide.md)).", "",
             *OVERVIEW_HEADER]
-    sections = []
+    groups: dict[str, list] = {}  # reports of one study / arch / branches (more seeds) are merged
     for path in args.reports:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
         for key in ("study", "scale", "arch", "branches", "runs", "summary", "settings"):
             if key not in report:
                 raise ValueError(f"{path} is not a `hf-tangent study` report (no {key!r}).")
-        folder = page.parent / "results" / "studies" / f"{report['study']}-{report['arch']}-{'+'.join(report['branches'])}"
+        groups.setdefault(f"{report['study']}-{report['arch']}-{'+'.join(report['branches'])}", []).append((path, report))
+    sections = []
+    for name, members in groups.items():
+        report = merge_reports([r for _, r in members])
+        folder = page.parent / "results" / "studies" / name
         folder.mkdir(parents=True, exist_ok=True)
-        if Path(path).resolve() != (folder / "report.json").resolve():
+        if len(members) > 1 or Path(members[0][0]).resolve() != (folder / "report.json").resolve():
             report.pop("plots", None)
             (folder / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
         files = write_plots(report, str(folder))
         rel = folder.relative_to(page.parent).as_posix()
         text.append(overview_row(report))
-        sections.append(study_markdown(report | {"plots": {title: f"{rel}/{name}" for title, name in files.items()}}))
+        sections.append(study_markdown(report | {"plots": {title: f"{rel}/{file}" for title, file in files.items()}}))
     page.write_text("\n".join([*text, "", *sections]), encoding="utf-8")
     print(f"wrote {page}")
     return {}

@@ -13,6 +13,7 @@ From-scratch residuals are small at initialisation, so the studies use eps_mode=
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -333,6 +334,29 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
             "data": data or "user documents"}
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several runs of the same study and settings with different seeds (more seeds
+    added later); a (variant, seed) run twice is an error, not silently kept twice."""
+    first = reports[0]
+    same = ("study", "scale", "arch", "branches", "settings", "train_windows", "val_windows")
+    for other in reports[1:]:
+        differ = [k for k in same if json.dumps(other.get(k), default=str) != json.dumps(first.get(k), default=str)]
+        if differ:
+            raise ValueError(f"cannot merge study reports that differ in {differ}; merge only more seeds of one setting.")
+    seen, runs = set(), []
+    for report in reports:
+        for run in report["runs"]:
+            if (run["variant"], run["seed"]) in seen:
+                raise ValueError(f"{run['variant']!r} seed {run['seed']} is in more than one report.")
+            seen.add((run["variant"], run["seed"]))
+            runs.append(run)
+    order = list(STUDIES[first["study"]])
+    variants = sorted({v for r in reports for v in r["variants"]}, key=order.index)
+    runs.sort(key=lambda r: (r["seed"], variants.index(r["variant"])))
+    return first | {"runs": runs, "variants": variants, "seeds": sorted({r["seed"] for r in runs}),
+                    "seconds": round(sum(r["seconds"] for r in reports), 1), "merged_reports": len(reports)}
+
+
 # Quantities logged over training (run["history"]) and plotted, one panel each.
 DIAGNOSTIC_PANELS = {
     "orthogonality_error": "orthogonality error |cos(x, added update)|",
@@ -390,7 +414,8 @@ def study_markdown(report: dict) -> str:
              f"{s['batch_size']} x {s['seq_len']} tokens (AdamW, lr {s['learning_rate']:g}, cosine), seeds "
              f"{report['seeds']}; {report['train_windows']} training and {report['val_windows']} validation windows of "
              f"{report.get('data', 'Austen: calibration novels / held-out novels')}; wall time "
-             f"{report['seconds']:.0f} s{where}.", "",
+             f"{report['seconds']:.0f} s{where}" + (f", over {report['merged_reports']} runs of the command merged by seed"
+                                                       if report.get("merged_reports", 1) > 1 else "") + ".", "",
              "| variant | final val loss (mean +- sd) | delta vs baseline | p (paired permutation) |",
              "|---|---:|---:|---:|"]
     summary = summarize(report["runs"], report["variants"][0])  # recomputed: the page follows the runs

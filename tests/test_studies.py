@@ -144,3 +144,28 @@ def test_retraction_verdict_follows_the_paired_statistics(seeds, best, flip, out
     assert got == outcome and f"Best mean final validation loss: {best}" in sentence
     if outcome == "held":
         assert f"p = {2 / 2**seeds:.3f}" in sentence and "vs euclidean -0.7000" in sentence and "vs retract p=inf -1.2000" in sentence
+
+
+def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
+    """Seeds run later (another `study` call) merge by seed; a (variant, seed) given twice is an error."""
+    report, _ = smoke["noise"]
+    parts = []
+    for seed in (0, 1):  # the smoke report cut into one report per seed, as if run one seed at a time
+        part = dict(report, runs=[r for r in report["runs"] if r["seed"] == seed], seeds=[seed])
+        (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
+        parts.append(str(tmp_path / f"seed{seed}.json"))
+    assert cli.main(["study-report", *parts, "--output", str(tmp_path / "merged.md")]) == 0
+    assert cli.main(["study-report", str(smoke["noise"][1] / "report.json"), "--output", str(tmp_path / "one.md")]) == 0
+    merged, one = (tmp_path / "merged.md").read_text(), (tmp_path / "one.md").read_text()
+    table = [line for line in merged.splitlines() if line.startswith("| none |") or line.startswith("| tangent")]
+    assert table == [line for line in one.splitlines() if line.startswith("| none |") or line.startswith("| tangent")]
+    assert "over 2 runs of the command merged by seed" in merged
+    kept = json.loads((tmp_path / "results" / "studies" / "noise-gpt2-ffn" / "report.json").read_text())
+    assert kept["seeds"] == [0, 1] and len(kept["runs"]) == len(report["runs"])
+    capsys.readouterr()
+    assert cli.main(["study-report", parts[0], parts[0], "--output", str(tmp_path / "x.md")]) == 2
+    assert "'none' seed 0 is in more than one report" in capsys.readouterr().err
+    other = dict(report, settings=dict(report["settings"], max_steps=99))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"differ in \['settings'\]"):
+        studies.merge_reports([report, other])
