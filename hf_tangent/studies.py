@@ -212,6 +212,10 @@ def _outcome(direction: bool, p_values: list[float], floor: float) -> str:
     return "inconclusive"
 
 
+def _said(outcome: str) -> str:
+    return "was inconclusive" if outcome == "inconclusive" else outcome
+
+
 def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = None) -> tuple[str, str]:
     """(outcome, sentence) per study, from the numbers, with the confidence the seeds allow; with the
     runs, also the paired comparisons of the best variant against the other contenders."""
@@ -242,7 +246,7 @@ def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = N
                       f"({top['final_val_loss_mean']:.4f}, {place}; " +
                       ", ".join(f"{r['variant'].split()[-1]}: {r['final_val_loss_mean']:.4f}" for r in family) + ").")
         return outcome, (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}."
-                         f"{within} The hypothesis (best at a finite p) {outcome} on this data at this scale; {reach}.")
+                         f"{within} The hypothesis (best at a finite p) {_said(outcome)} on this data at this scale; {reach}.")
     if study == "noise":
         tangent = [r for r in others if r["variant"].startswith("tangent")]
         matched = {r["variant"]: r for r in others if not r["variant"].startswith("tangent")}
@@ -259,14 +263,14 @@ def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = N
         return outcome, (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
                          f"{best['delta_mean']:+.4f}, p = {best['p_value']:.3f}); matched comparators: "
                          f"{comparison or 'not run'}. The hypothesis (tangent noise beats no noise and the matched "
-                         f"comparators) {outcome} on this data at this scale; {reach}.")
+                         f"comparators) {_said(outcome)} on this data at this scale; {reach}.")
     better = [r for r in others if r["delta_mean"] < 0]
     significant = [r for r in better if r["p_value"] <= 0.05]
     outcome = max((_outcome(True, [r["p_value"]], floor) for r in better), default="did not hold",
                   key=["did not hold", "inconclusive", "held in the mean only", "held"].index)
     return outcome, (f"Variants below the unpatched final validation loss: {[r['variant'] for r in better] or 'none'}; "
                      f"significant at p <= 0.05: {[r['variant'] for r in significant] or 'none'}; {reach}. "
-                     f"The hypothesis (tangential updates train better) {outcome} on this data at this scale.")
+                     f"The hypothesis (tangential updates train better) {_said(outcome)} on this data at this scale.")
 
 
 def verdict(study: str, summary: list[dict], runs: list[dict] | None = None) -> str:
