@@ -358,7 +358,8 @@ def merge_reports(reports: list[dict]) -> dict:
     variants = sorted({v for r in reports for v in r["variants"]}, key=order.index)
     runs.sort(key=lambda r: (r["seed"], variants.index(r["variant"])))
     return first | {"runs": runs, "variants": variants, "seeds": sorted({r["seed"] for r in runs}),
-                    "seconds": round(sum(r["seconds"] for r in reports), 1), "merged_reports": len(reports)}
+                    "seconds": round(sum(r["seconds"] for r in reports), 1),
+                    "merged_reports": sum(r.get("merged_reports", 1) for r in reports)}
 
 
 # Quantities logged over training (run["history"]) and plotted, one panel each.
