@@ -806,8 +806,7 @@ def run_study(args) -> dict:
         report = run_study(args.study, args.scale, arch=args.arch, variants=args.variants, seeds=seeds,
                            branches=tuple(args.branches), output_dir=args.output_dir, device=args.device, progress=bar,
                            overrides=overrides, train_docs=train_docs, val_docs=val_docs, data=data)
-    report |= {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
-               "device": args.device}
+    report |= {k: v for k, v in _environment(args).items() if v is not None}  # study has no --dtype / --seed
     report["plots"] = write_plots(report, args.output_dir)
     write_report(args.output_dir, report, study_markdown(report))
     return report

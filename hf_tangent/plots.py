@@ -154,10 +154,10 @@ def study_curves(runs: list[dict], keys: dict[str, str], path: str, title: str, 
     variants = list(dict.fromkeys(r["variant"] for r in runs))
     colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
     for ax, (key, label) in zip(axes.flat, keys.items(), strict=False):
+        floor = 1e-12 if key in log_keys else -math.inf  # log panels: exact zeros drawn at 1e-12
         for variant in variants:
             histories = [r["history"] for r in runs if r["variant"] == variant]
             steps = sorted({h["step"] for hist in histories for h in hist})
-            floor = 1e-12 if key in log_keys else -math.inf  # log panels: exact zeros drawn at 1e-12
             values = [[max(h[key], floor) for hist in histories for h in hist if h["step"] == s and h.get(key) is not None]
                       for s in steps]
             kept = [(s, v) for s, v in zip(steps, values, strict=True) if v]

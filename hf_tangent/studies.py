@@ -184,7 +184,7 @@ def summarize(runs: list[dict], baseline: str) -> list[dict]:
     for v in variants:
         seeds = sorted(s for (name, s) in by if name == v)
         losses = [by[(v, s)]["final_val_loss"] for s in seeds]
-        deltas = [by[(v, s)]["final_val_loss"] - by[(baseline, s)]["final_val_loss"] for s in seeds if (baseline, s) in by]
+        deltas = paired_deltas(runs, v, baseline)
         rows.append({"variant": v, "seeds": len(seeds), "final_val_loss_mean": statistics.fmean(losses),
                      "final_val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                      "delta_mean": statistics.fmean(deltas) if deltas else float("nan"),
@@ -192,10 +192,15 @@ def summarize(runs: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
+def paired_deltas(runs: list[dict], a: str, b: str) -> list[float]:
+    """Final loss(a) - final loss(b) per seed both were run with, in seed order."""
+    by = {(r["variant"], r["seed"]): r["final_val_loss"] for r in runs}
+    return [by[(a, s)] - by[(b, s)] for s in sorted(s for (v, s) in by if v == a) if (b, s) in by]
+
+
 def paired(runs: list[dict], a: str, b: str) -> tuple[float, float]:
     """Mean over shared seeds of final loss(a) - final loss(b), and its paired permutation p-value."""
-    by = {(r["variant"], r["seed"]): r["final_val_loss"] for r in runs}
-    deltas = [by[(a, s)] - by[(b, s)] for (v, s) in by if v == a and (b, s) in by]
+    deltas = paired_deltas(runs, a, b)
     return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (float("nan"), float("nan"))
 
 
