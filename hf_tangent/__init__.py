@@ -11,13 +11,14 @@ from .config import TangentConfig
 from .hub import push_to_hub, save_hub_folder
 from .models import load_model
 from .parallel import parallelize
-from .patching import get_config, patch, tangent_layers, unpatch
+from .patching import TangentLayer, get_config, patch, tangent_layers, unpatch, update_config
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
-from .serialization import from_config, from_pretrained
+from .serialization import from_config, from_pretrained, save_pretrained
 
 __all__ = [
     "ArchitectureSpec",
     "TangentConfig",
+    "TangentLayer",
     "__version__",
     "from_config",
     "from_pretrained",
@@ -28,7 +29,9 @@ __all__ = [
     "push_to_hub",
     "register_architecture",
     "save_hub_folder",
+    "save_pretrained",
     "supported_model_types",
     "tangent_layers",
     "unpatch",
+    "update_config",
 ]

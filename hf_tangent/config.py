@@ -25,6 +25,11 @@ RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
 EPS_MODES = ("absolute", "relative")
 IMPLEMENTATIONS = ("fused", "reference")
 PARALLEL_EXECUTIONS = ("hooks", "fused")
+# Bounds that keep every update finite in float32: alpha * y overflows float32 only for |y| > 3.4e32.
+MAX_ALPHA = 1e6
+MAX_NOISE = 1e3
+MAX_EPS = 1e6
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a smaller eps rounds to 0
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -56,16 +61,18 @@ class TangentConfig:
     beta: float = field(
         default=1.0, metadata={"help": "'soft' only: y - beta*c*x, 0 <= beta <= 1 (1 = hard projection)."}
     )
-    p: float = field(
-        default=1.0,
+    p: float | None = field(
+        default=None,
         metadata={"help": "'retract' only: angle map theta = p*atan(t/p), p > 0; 1 = projection, "
-                          "2 = Cayley, inf = exponential map."},
+                          "2 = Cayley, inf = exponential map. Default: the retraction's p, else 1."},
     )
     retraction: str | None = field(
         default=None,
         metadata={"help": "'retract' only: alias for p, one of " + ", ".join(RETRACTIONS) + "."},
     )
-    alpha: float = field(default=1.0, metadata={"help": "Residual multiplier: x + alpha * y_used."})
+    alpha: float = field(
+        default=1.0, metadata={"help": f"Residual multiplier: x + alpha * y_used, |alpha| <= {MAX_ALPHA:g}."}
+    )
     eps: float = field(
         default=1e-6,
         metadata={"help": "Stabiliser of ||x||^2 + eps (float32); with eps_mode='relative' it is "
@@ -114,23 +121,25 @@ class TangentConfig:
             if self.update != "retract":
                 _fail("retraction", self.retraction, "None unless update='retract'")
             implied = RETRACTIONS[self.retraction]
-            if self.p not in (1.0, implied):  # 1.0 is the default: the alias decides
+            if self.p is not None and self.p != implied:
                 raise ValueError(
                     f"TangentConfig: retraction={self.retraction!r} means p={implied}, but p={self.p!r} "
                     "was also given; set one of them."
                 )
             self.p = implied
+        if self.p is None:
+            self.p = 1.0
         if not _is_real(self.p) or math.isnan(self.p) or self.p <= 0:
             _fail("p", self.p, "a number > 0, or float('inf') for the exponential map")
         self.p = float(self.p)
-        if not _is_real(self.alpha) or not math.isfinite(self.alpha):
-            _fail("alpha", self.alpha, "a finite number")
-        if not _is_real(self.eps) or not math.isfinite(self.eps) or self.eps <= 0:
-            _fail("eps", self.eps, "a finite number > 0 (e.g. 1e-6)")
-        if not _is_real(self.gamma) or not math.isfinite(self.gamma) or self.gamma < 0:
-            _fail("gamma", self.gamma, "a finite number >= 0")
-        if not _is_real(self.noise_h) or not math.isfinite(self.noise_h) or self.noise_h <= 0:
-            _fail("noise_h", self.noise_h, "a finite number > 0")
+        if not _is_real(self.alpha) or not abs(self.alpha) <= MAX_ALPHA:
+            _fail("alpha", self.alpha, f"a finite number with |alpha| <= {MAX_ALPHA:g} (the update must stay finite in float32)")
+        if not _is_real(self.eps) or not FLOAT32_TINY <= self.eps <= MAX_EPS:
+            _fail("eps", self.eps, f"a finite number > 0 that float32 can hold ({FLOAT32_TINY:.3g} .. {MAX_EPS:g}), e.g. 1e-6")
+        if not _is_real(self.gamma) or not 0 <= self.gamma <= MAX_NOISE:
+            _fail("gamma", self.gamma, f"a finite number >= 0 and <= {MAX_NOISE:g}")
+        if not _is_real(self.noise_h) or not 0 < self.noise_h <= MAX_NOISE:
+            _fail("noise_h", self.noise_h, f"a finite number > 0 and <= {MAX_NOISE:g}")
         if not isinstance(self.noise_rank, int) or isinstance(self.noise_rank, bool) or self.noise_rank < 1:
             _fail("noise_rank", self.noise_rank, "an integer >= 1")
         branches = tuple(self.branches) if isinstance(self.branches, (list, tuple)) else None
@@ -148,6 +157,27 @@ class TangentConfig:
         if self.layers is not None:
             self.layers = _index_tuple("layers", self.layers)
         self.parallel_layers = _index_tuple("parallel_layers", self.parallel_layers)
+
+    # ----------------------------------------------------------------- read-only copies
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set TangentConfig.{name}: this config belongs to a patched model and is read-only. "
+                "Change the patch with hf_tangent.update_config(model, " + name + "=...) (validated, the saved "
+                "record follows), or build a new config with dataclasses.replace(config, ...)."
+            )
+        super().__setattr__(name, value)
+
+    def frozen_copy(self) -> TangentConfig:
+        """A validated read-only copy: what a patched model keeps, so that later changes to the
+        caller's object cannot reach the model."""
+        copy = TangentConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        object.__setattr__(copy, "_frozen", True)
+        return copy
+
+    @property
+    def is_frozen(self) -> bool:
+        return self.__dict__.get("_frozen", False)
 
     # ----------------------------------------------------------------- model-dependent checks
     def resolve_layers(self, num_layers: int) -> tuple[int, ...]:
@@ -177,6 +207,8 @@ class TangentConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TangentConfig:
         """Build from a dict written by `to_dict`; keys from newer versions are dropped with a warning."""
+        if not isinstance(data, dict):
+            raise ValueError(f"TangentConfig.from_dict expects a mapping of field: value, got {type(data).__name__}.")
         data = dict(data)
         data.pop("hf_tangent_version", None)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -187,8 +219,11 @@ class TangentConfig:
                 stacklevel=2,
             )
         kwargs = {k: v for k, v in data.items() if k in known}
-        if isinstance(kwargs.get("p"), str):
-            kwargs["p"] = float(kwargs["p"])
+        if isinstance(kwargs.get("p"), str):  # JSON writes inf as "inf"
+            try:
+                kwargs["p"] = float(kwargs["p"])
+            except ValueError:
+                _fail("p", kwargs["p"], "a number > 0, or \"inf\" for the exponential map")
         return cls(**kwargs)
 
     def to_json_string(self) -> str:

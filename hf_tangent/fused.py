@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .rules import resolve_eps, retraction_angle
+from .rules import finite_in, resolve_eps, retraction_angle
 
 
 def _dot(a, b):
@@ -60,6 +60,7 @@ def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
             moving = t > 0
             b = torch.where(moving, torch.sin(theta) / _safe(t, moving), torch.ones_like(t))
             delta = torch.addcmul(-2.0 * torch.sin(theta / 2) ** 2 * xf, alpha * b, tangent)
+            delta = finite_in(torch.where(r > 0, delta, torch.zeros_like(delta)), y.dtype)  # x = 0 stays 0
         else:
             raise ValueError(f"unknown update rule {update!r}")
     return delta.to(y.dtype), eps_value
@@ -68,17 +69,18 @@ def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
 class _TangentUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, update, alpha, beta, p, eps, eps_mode):
-        delta, eps_value = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
+        delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
         ctx.save_for_backward(x, y, gate)
-        ctx.params = (update, alpha, beta, p, eps_value)
+        ctx.params = (update, alpha, beta, p, eps, eps_mode)  # a relative eps is recomputed from x
         return delta
 
     @staticmethod
     def backward(ctx, grad):
         x, y, gate = ctx.saved_tensors
-        update, alpha, beta, p, eps = ctx.params
+        update, alpha, beta, p, eps, eps_mode = ctx.params
         dtype = torch.promote_types(y.dtype, torch.float32)
         xf, yf, g = x.to(dtype), y.to(dtype), grad.to(dtype)
+        eps = resolve_eps(xf, eps, eps_mode)
         z = yf * gate.to(dtype) if gate is not None else yf
         dx = torch.zeros_like(xf)
         if update == "add":
@@ -124,7 +126,9 @@ class _TangentUpdate(torch.autograd.Function):
                 dv = b * g + dl_dt_over_t * v / r2
                 dx = a * g - dl_dt_over_t * (t * t) * xf / r2
                 dz, dx_proj = _project_back(alpha * dv, xf, z, c, q, 1.0)
-                dx = dx + dx_proj
+                still = r > 0  # where x = 0 the forward is the constant 0
+                dz = torch.where(still, dz, torch.zeros_like(dz))
+                dx = torch.where(still, dx + dx_proj, torch.zeros_like(dx))
             else:
                 raise ValueError(f"unknown update rule {update!r}")
         dgate = None

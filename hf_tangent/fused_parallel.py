@@ -18,10 +18,15 @@ original weights).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _call_key() -> int:  # as patching.call_key (this module sits below patching)
+    return 0 if torch.compiler.is_compiling() else threading.get_ident()
 
 
 class FusedParallelExecution:
@@ -45,7 +50,7 @@ class FusedParallelExecution:
             raise ValueError("hf_tangent: fused parallel execution needs nn.Linear input projections "
                              "(apply PEFT after the patch, not before).")
         self.layer = layer
-        self._outputs: list[torch.Tensor] = []
+        self._outputs: dict[int, tuple] = {}  # call_key() -> (h, its projections, indices not yet read)
         self._cache_key = None
         self._weight = self._bias = None
 
@@ -66,17 +71,30 @@ class FusedParallelExecution:
             self._cache_key, self._weight, self._bias = key, weight.detach(), None if bias is None else bias.detach()
         return self._weight, self._bias
 
-    def _before_layer(self, module, args, kwargs):
-        h = args[0] if args else kwargs["hidden_states"]
+    def _projections(self, h):
+        """All five projections of the block input h, (B, T, q + k + v + gate + up): one GEMM."""
         hf = h.float()
         normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)  # (B, T, d)
         weight, bias = self._fused_weight()
-        fused = F.linear(normed, weight, bias)  # (B, T, q + k + v + gate + up): one GEMM
         sizes = [m.out_features for m in self.attention_in + self.ffn_in]
-        self._outputs = list(torch.split(fused, sizes, dim=-1))
+        return list(torch.split(F.linear(normed, weight, bias), sizes, dim=-1))
 
-    def _slice(self, index, _input):
-        return self._outputs[index]
+    def _slice(self, index, h):
+        """Projection `index` of h. The first projection of a layer call computes all of them (the norms
+        pass h through, so every projection receives the same tensor); the last one drops them, so a
+        checkpointed recomputation computes them again."""
+        key = _call_key()
+        entry = self._outputs.get(key)
+        if entry is None or entry[0] is not h:
+            entry = self._outputs[key] = (h, self._projections(h), set(range(len(self.attention_in + self.ffn_in))))
+        entry[2].discard(index)
+        if not entry[2]:
+            del self._outputs[key]
+        return entry[1][index]
+
+    def release(self, key: int) -> None:
+        """Drop a call's outputs that the layer did not consume (called when the layer returns)."""
+        self._outputs.pop(key, None)
 
     @staticmethod
     def _pass_through(hidden_states, *args, **kwargs):
@@ -87,13 +105,8 @@ class FusedParallelExecution:
             module.forward = functools.partial(self._slice, i)  # a partial deep-copies with the model
         for norm in self.norms:
             norm.forward = self._pass_through
-        self.layer.register_forward_pre_hook(self._before_layer, with_kwargs=True)
 
     def uninstall(self) -> None:
         for module in self.attention_in + self.ffn_in + list(self.norms):
             vars(module).pop("forward", None)
-        hooks = self.layer._forward_pre_hooks
-        for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is self]:
-            del hooks[key]
-            self.layer._forward_pre_hooks_with_kwargs.pop(key, None)
-        self._outputs = []
+        self._outputs = {}

@@ -15,9 +15,12 @@ import tempfile
 from pathlib import Path
 
 from .patching import CONFIG_KEY, get_config
+from .serialization import save_pretrained
+from .wrappers import model_class, unwrap
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py", "patching.py")
+REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
+                       "wrappers.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CLASS = "TangentForCausalLM"
 CARD_TEMPLATE = PACKAGE_DIR.parent / "model_cards" / "hf_tangent_model_card.md"
@@ -38,6 +41,7 @@ from .fused_parallel import FusedParallelExecution  # noqa: F401
 from .patching import CONFIG_KEY, patch
 from .registry import get_spec  # noqa: F401
 from .rules import residual_delta  # noqa: F401
+from .wrappers import unwrap  # noqa: F401
 
 
 class {cls}(_Base):
@@ -69,26 +73,40 @@ def render_model_card(context: dict) -> str:
     return template.safe_substitute({name: "(not recorded)" for name in names} | context)
 
 
-def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: dict | None = None) -> Path:
-    """Save a patched model as a complete Hub repository folder; returns the folder."""
+def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: dict | None = None) -> Path | None:
+    """Save a patched model (also wrapped or sharded: call it on every rank) as a complete Hub
+    repository folder; returns the folder on rank 0, None elsewhere. The folder is written next to
+    its target first and moved in at the end: a failure leaves an existing folder as it was."""
     config = get_config(model)
     if config is None:
         raise ValueError("save_hub_folder expects a model patched with hf_tangent.patch.")
+    base = unwrap(model)
     folder = Path(folder)
-    model.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    base_class = type(model).__name__
-    add_remote_code(folder, base_class)
-    record = getattr(model.config, CONFIG_KEY)
-    context = {
-        "base_model": str(getattr(model.config, "_name_or_path", "") or "(local model)"),
-        "model_type": model.config.model_type,
-        "base_class": base_class,
-        "patch_json": json.dumps(record, indent=2, sort_keys=True),
-        "update": config.update,
-    }
-    (folder / "README.md").write_text(render_model_card(context | (card or {})), encoding="utf-8")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        if save_pretrained(model, staging) is None:
+            return None  # not rank 0
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        base_class = model_class(model).__name__
+        add_remote_code(staging, base_class)
+        context = {
+            "base_model": str(getattr(base.config, "_name_or_path", "") or "(local model)"),
+            "model_type": base.config.model_type,
+            "base_class": base_class,
+            "patch_json": json.dumps(getattr(base.config, CONFIG_KEY), indent=2, sort_keys=True),
+            "update": config.update,
+        }
+        (staging / "README.md").write_text(render_model_card(context | (card or {})), encoding="utf-8")
+        staging.chmod(0o755)
+        if not folder.exists():
+            os.replace(staging, folder)
+        else:
+            for item in staging.iterdir():
+                os.replace(item, folder / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

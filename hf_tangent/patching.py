@@ -1,19 +1,27 @@
-"""Patching mechanics: `patch`, `unpatch`, `get_config`.
+"""Patching mechanics: `patch`, `unpatch`, `update_config`, `get_config`.
 
 A layer's forward is never replaced. Each selected decoder layer gets a child module
-`tangent_patch` (a `TangentLayer`) whose hooks sit on the layer's own submodules:
+`tangent_patch` (a `TangentLayer`) whose hooks sit on the layer and its own submodules:
 
-    input_norm  pre-hook   remember the block input            (parallel conversion only)
+    layer       pre-hook   open this call's state (per thread)
+    input_norm  pre-hook   remember the block input            (parallel conversion, attention branch)
     ffn_norm    pre-hook   remember x; feed the block input    (parallel conversion only)
     ffn_out     hook       return x_next - x, so the layer's own `residual + out` is x_next
+    layer       hook       close the call's state; check that every hook above fired
 
-The gate (if any) is a parameter of that child, which is called in forward (DeepSpeed ZeRO-3
-gathers it). `unpatch` removes exactly these hooks and children: outputs are bit-identical again.
+What one hook hands the next lives in that call's state, keyed by thread: two threads running one
+model never see each other's x, and nothing outlives the call. The gate (if any) is a 1-element
+parameter of the child, which is called in forward (DeepSpeed ZeRO-3 gathers it; FSDP and ZeRO-3
+refuse 0-dim parameters). `patch` builds and checks the whole new patch before it touches the
+model, and puts the previous patch back if anything fails while installing.
 The one exception to "hooks only" is the opt-in fused parallel execution (fused_parallel.py).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import threading
 import warnings
 
 import torch
@@ -24,10 +32,17 @@ from .fused import fused_residual_delta
 from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec, get_spec
 from .rules import noise_delta, residual_delta
+from .wrappers import ddp_wrapper_of, sharding_engine, unwrap
 
 CHILD_NAME = "tangent_patch"
 CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
 _MODEL_ATTR = "_hf_tangent_config"
+_OWN_CONFIG_ATTR = "_hf_tangent_own_config"  # the model's private transformers config
+
+
+def call_key() -> int:
+    """Who is calling: the thread (a compiled graph traces the hooks away, so one key serves it)."""
+    return 0 if torch.compiler.is_compiling() else threading.get_ident()
 
 
 class TangentLayer(nn.Module):
@@ -39,14 +54,19 @@ class TangentLayer(nn.Module):
         self.index = index
         self.parallel = parallel
         gated = update and config.gates
-        self.gate = nn.Parameter(torch.ones((), dtype=torch.float32)) if gated else None
+        self.gate = nn.Parameter(torch.ones(1, dtype=torch.float32)) if gated else None
         # An 'add' update without alpha or gate is the model's own add: no hook needed.
         self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
-        self._x = None
-        self._block_input = None
-        self._attention_x = None
         self.attention_branch = update and "attention" in config.branches and config.update != "add"
         self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
+        self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
+        # the submodule roles whose hooks must fire in every call of the layer
+        self.roles = tuple(role for role, needed in (
+            ("input_norm", parallel or self.attention_branch),
+            ("attention_out", self.attention_branch),
+            ("ffn_norm", parallel or self.applies_update),
+            ("ffn_out", self.applies_update),
+        ) if needed)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
@@ -64,13 +84,51 @@ class TangentLayer(nn.Module):
         return f"layer={self.index}, update={rule}{extra}, alpha={c.alpha}, gate={self.gate is not None}, parallel={self.parallel}"
 
     # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them)
+    def _enter(self, module, args, kwargs):
+        self._calls[call_key()] = {"layer": True}
+
+    def _exit(self, module, args, output):
+        state = self._calls.pop(call_key(), None)
+        if self.fused_execution is not None:
+            self.fused_execution.release(call_key())
+        if output is None or state is None:  # the forward raised (always_call): nothing to check
+            return None
+        missing = [role for role in self.roles if role not in state]
+        if missing:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(module).__name__}) ran without calling its "
+                f"{', '.join(missing)} submodule(s), so its patch did not apply: the layer's forward was "
+                "replaced by code that hf_tangent's hooks cannot see (e.g. a norm applied functionally). "
+                "Patch an unmodified model, or remove the patch with hf_tangent.unpatch(model)."
+            )
+        return None
+
+    def _state(self, role: str) -> dict | None:
+        """This call's state when `role`'s hook fires inside the layer's forward, else None.
+
+        The layer's own hooks open the state. transformers 5 checkpoints the layer's `forward`
+        (not `__call__`), so the backward's recomputation runs without them: there the first
+        role opens a state of its own and the last one closes it."""
+        key = call_key()
+        state = self._calls.get(key)
+        if role == self.roles[0] and (state is None or not state["layer"]) and torch._C._current_graph_task_id() != -1:
+            state = self._calls[key] = {"layer": False}  # recomputation during a backward pass
+        if state is None or role in state:  # a submodule called on its own, or a second time
+            return None
+        state[role] = True
+        if role == self.roles[-1] and not state["layer"]:
+            del self._calls[key]
+        return state
+
     def _record_block_input(self, module, args, kwargs):
-        self._block_input = args[0] if args else next(iter(kwargs.values()))
-        self._attention_x = self._block_input
+        state = self._state("input_norm")
+        if state is not None:
+            state["block_input"] = state["attention_x"] = args[0] if args else next(iter(kwargs.values()))
 
     def _apply_attention_update(self, module, args, output):
         """The rule on the attention branch (branches includes 'attention'): x = the block input."""
-        x, self._attention_x = self._attention_x, None
+        state = self._state("attention_out")
+        x = None if state is None else state.pop("attention_x", None)
         if x is None:
             return None
         if isinstance(output, tuple):
@@ -78,53 +136,71 @@ class TangentLayer(nn.Module):
         return self(x, output)
 
     def _record_x(self, module, args, kwargs):
-        if self.parallel and self._block_input is not None:
-            x, self._block_input = self._block_input, None
+        state = self._state("ffn_norm")
+        if state is None:
+            return None
+        if self.parallel:
+            x = state.pop("block_input", None)
+            if x is None:
+                return None
             if self.applies_update:
-                self._x = x
+                state["x"] = x
             return ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
-        # sequential, or the norm called on its own outside the layer's forward: inputs unchanged
         if self.applies_update:
-            self._x = args[0] if args else next(iter(kwargs.values()))
+            state["x"] = args[0] if args else next(iter(kwargs.values()))
         return None
 
     def _apply_update(self, module, args, output):
-        x, self._x = self._x, None
+        state = self._state("ffn_out")
+        x = None if state is None else state.pop("x", None)
         if x is None:  # the FFN called on its own, outside the layer's forward: leave it alone
             return None
         if isinstance(output, tuple):
             return (self(x, output[0]),) + tuple(output[1:])
         return self(x, output)
 
-    def install(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+    def prepare(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+        """Everything that can fail, before the model is touched."""
         if self.parallel and self.config.parallel_execution == "fused":
             self.fused_execution = FusedParallelExecution(spec, layer)
+        for role in self.roles:
+            spec.submodule(layer, role)
+        param = next(layer.parameters(), None)
+        if param is not None and self.gate is not None:
+            self.to(device=param.device)
+
+    def install(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+        if self.fused_execution is not None:
             self.fused_execution.install()
-        if self.parallel or self.attention_branch:
+        if "input_norm" in self.roles:
             spec.submodule(layer, "input_norm").register_forward_pre_hook(self._record_block_input, with_kwargs=True)
-        if self.attention_branch:
+        if "attention_out" in self.roles:
             spec.submodule(layer, "attention_out").register_forward_hook(self._apply_attention_update)
-        if self.parallel or self.applies_update:
+        if "ffn_norm" in self.roles:
             spec.submodule(layer, "ffn_norm").register_forward_pre_hook(self._record_x, with_kwargs=True)
-        if self.applies_update:
+        if "ffn_out" in self.roles:
             spec.submodule(layer, "ffn_out").register_forward_hook(self._apply_update)
+        if self.roles:
+            layer.register_forward_pre_hook(self._enter, with_kwargs=True)
+            layer.register_forward_hook(self._exit, always_call=True)
 
     def uninstall(self, layer: nn.Module) -> None:
         if self.fused_execution is not None:
             self.fused_execution.uninstall()
-            self.fused_execution = None
         for module in layer.modules():
             _remove_hooks_of(module, self)
+        self._calls.clear()
 
 
 def _remove_hooks_of(module: nn.Module, owner: nn.Module) -> None:
-    for hooks, with_kwargs in (
-        (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs),
-        (module._forward_hooks, module._forward_hooks_with_kwargs),
+    for hooks, extras in (
+        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+        (module._forward_hooks, (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)),
     ):
         for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is owner]:
             del hooks[key]
-            with_kwargs.pop(key, None)
+            for extra in extras:
+                extra.pop(key, None)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -134,20 +210,38 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
         raise TypeError(f"hf_tangent.patch expects a transformers model (nn.Module), got {type(model).__name__}.")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("hf_tangent: this model is already torch.compile'd; patch first, then compile.")
+    compiled = [name or "the model" for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+    if compiled:
+        raise ValueError(f"hf_tangent: {compiled[0]} was compiled in place (module.compile()), so hooks added now "
+                         "would never run; patch an uncompiled model, then compile.")
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        raise ValueError("hf_tangent: patch the model before wrapping it in DataParallel/DDP (pass model.module).")
+        raise ValueError("hf_tangent: patch before wrapping: this model is already wrapped in DataParallel/DDP, "
+                         "whose gradient synchronisation would miss the patch's gates.")
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         raise ValueError(
             "hf_tangent: this model is already wrapped by PEFT; apply hf_tangent.patch first and "
             "get_peft_model after: get_peft_model(hf_tangent.patch(model, cfg), lora_config)."
         )
+    engine = sharding_engine(model)
+    if engine is not None or type(model).__name__ == "DeepSpeedEngine":
+        raise ValueError(f"hf_tangent: patch before wrapping: this model is already sharded by {engine or 'DeepSpeed'}, "
+                         "which would neither shard nor synchronise the patch's gates. Patch the plain model, "
+                         "then hand it to FSDP / DeepSpeed / the Trainer.")
+    if ddp_wrapper_of(model) is not None:
+        raise ValueError("hf_tangent: patch before wrapping: this model is the .module of a DistributedDataParallel "
+                         "wrapper, which would not synchronise the patch's gates. Patch the plain model, then wrap it.")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise ValueError(f"hf_tangent: {type(model).__name__} has no config.model_type; pass a transformers model.")
     spec = get_spec(model_type)
     layers = spec.decoder_layers(model)
+    first = {}
     for i, layer in enumerate(layers):
+        if id(layer) in first:
+            raise ValueError(f"hf_tangent: layers {first[id(layer)]} and {i} are one module object (shared weights); "
+                             "a patch is per layer, so hf_tangent refuses models that reuse a layer.")
+        first[id(layer)] = i
         if _has_foreign_forward(layer):
             raise ValueError(
                 f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
@@ -172,15 +266,85 @@ def _has_foreign_forward(layer: nn.Module) -> bool:
 
 
 def _patched_layers(model) -> list[tuple[nn.Module, TangentLayer]]:
-    spec = get_spec(model.config.model_type)
-    return [(layer, layer.get_submodule(CHILD_NAME)) for layer in spec.decoder_layers(model) if CHILD_NAME in layer._modules]
+    """(layer, its TangentLayer) in layer order, found through any wrapper (FSDP1 wraps each layer)."""
+    found, seen = [], set()
+    for module in unwrap(model).modules():
+        child = module._modules.get(CHILD_NAME)
+        if isinstance(child, TangentLayer) and id(child) not in seen:
+            seen.add(id(child))
+            found.append((module, child))
+    return sorted(found, key=lambda pair: pair[1].index)
+
+
+# ----------------------------------------------------------------------------- model state
+@dataclasses.dataclass
+class _PatchState:
+    """Everything `patch` changes on a model, so that a failed call can put it back."""
+
+    children: list[tuple[nn.Module, TangentLayer]]
+    config: TangentConfig | None
+    record: dict | None
+
+
+def _snapshot(model) -> _PatchState:
+    return _PatchState(_patched_layers(model), vars(model).get(_MODEL_ATTR), getattr(model.config, CONFIG_KEY, None))
+
+
+def _remove(model, state: _PatchState) -> None:
+    for layer, child in state.children:
+        child.uninstall(layer)
+        if layer._modules.get(CHILD_NAME) is child:
+            del layer._modules[CHILD_NAME]
+    vars(model).pop(_MODEL_ATTR, None)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+
+
+def _apply(model, spec: ArchitectureSpec | None, state: _PatchState) -> None:
+    for layer, child in state.children:
+        layer.add_module(CHILD_NAME, child)
+        child.install(spec or get_spec(model.config.model_type), layer)
+    if state.config is not None:
+        vars(model)[_MODEL_ATTR] = state.config
+    if state.record is not None:
+        setattr(model.config, CONFIG_KEY, state.record)
+
+
+def _own_config(model) -> list[tuple[nn.Module, str, object]]:
+    """Give the model a private copy of its transformers config (models built from one config
+    object share it, and the patch record must belong to one model). Returns what was replaced."""
+    old = model.config
+    if vars(model).get(_OWN_CONFIG_ATTR) is old:
+        return []
+    memo: dict = {}
+    new = copy.deepcopy(old, memo)
+    replaced = []
+    for module in model.modules():  # every module that holds the config (or a sub-config) by reference
+        for name, value in list(vars(module).items()):
+            if id(value) in memo and memo[id(value)] is not value and hasattr(value, "to_json_string"):
+                replaced.append((module, name, value))
+                vars(module)[name] = memo[id(value)]
+    vars(model)[_OWN_CONFIG_ATTR] = new
+    return replaced
+
+
+def _restore_config(model, replaced) -> None:
+    for module, name, value in replaced:
+        vars(module)[name] = value
+    if replaced:
+        vars(model).pop(_OWN_CONFIG_ATTR, None)
 
 
 # ----------------------------------------------------------------------------- public API
 def patch(model, config: TangentConfig):
-    """Patch `model` in place with `config` and return it; patching again replaces the patch."""
+    """Patch `model` in place with a frozen copy of `config` and return it.
+
+    Patching again replaces the patch. The call is atomic: if anything is wrong (the model, the
+    config, a layer), it raises and the model keeps its previous patch, gate values included.
+    """
     if not isinstance(config, TangentConfig):
         raise TypeError(f"hf_tangent.patch expects a TangentConfig, got {type(config).__name__}.")
+    config = config.frozen_copy()  # validated again: fields set after construction are checked too
     spec, layers = _check_model(model)
     num_layers = len(layers)
     updated = set(config.resolve_layers(num_layers))
@@ -192,50 +356,63 @@ def patch(model, config: TangentConfig):
             stacklevel=2,
         )
         parallel -= set(already)
-
-    unpatch(model)
-    try:
-        for i in sorted(updated | parallel):
-            child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)
-            first_param = next(layers[i].parameters(), None)
-            if first_param is not None and child.gate is not None:
-                child.to(device=first_param.device)
-            layers[i].add_module(CHILD_NAME, child)
-            child.install(spec, layers[i])
-        setattr(model, _MODEL_ATTR, config)
-        setattr(model.config, CONFIG_KEY, {
-            "config": config.to_dict(),
-            "model_type": model.config.model_type,
-            "num_layers": num_layers,
-            "patched_layers": sorted(updated),
-            "parallel_layers": sorted(parallel),
-        })
-    except BaseException:
-        unpatch(model)
-        raise
+    children = []
+    for i in sorted(updated | parallel):
+        child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)
+        child.prepare(spec, layers[i])
+        children.append((layers[i], child))
+    record = {"config": config.to_dict(), "model_type": model.config.model_type, "num_layers": num_layers,
+              "patched_layers": sorted(updated), "parallel_layers": sorted(parallel)}
+    _commit(model, spec, _PatchState(children, config, record))
     return model
+
+
+def _commit(model, spec, new: _PatchState) -> None:
+    previous = _snapshot(model)
+    replaced = []
+    try:
+        _remove(model, previous)
+        replaced = _own_config(model)
+        _apply(model, spec, new)
+    except BaseException:
+        _remove(model, _snapshot(model))
+        _restore_config(model, replaced)
+        _apply(model, None, previous)
+        raise
 
 
 def unpatch(model):
-    """Remove the patch: the model is exactly as before `patch` (bit-identical outputs)."""
-    for layer, child in _patched_layers(model):
-        child.uninstall(layer)
-        del layer._modules[CHILD_NAME]
-    vars(model).pop(_MODEL_ATTR, None)
-    if hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
+    """Remove the patch (also through PEFT/DDP wrappers): outputs are bit-identical to the model
+    before `patch`. Returns the model as passed."""
+    base = unwrap(model)
+    _remove(base, _snapshot(base))
     return model
 
 
-def _base(model):
-    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+def update_config(model, **changes):
+    """Change fields of the active patch, validated: the patch and its saved record follow, and
+    gate values of layers that stay gated are kept. `update_config(model, beta=0.5)`."""
+    base = unwrap(model)
+    current = get_config(base)
+    if current is None:
+        raise ValueError("hf_tangent.update_config: the model is not patched; use hf_tangent.patch(model, config).")
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TangentConfig)})
+    if unknown:
+        raise ValueError(f"hf_tangent.update_config: unknown TangentConfig fields {unknown}.")
+    gates = {c.index: c.gate.detach().clone() for c in tangent_layers(base) if c.gate is not None}
+    patch(base, dataclasses.replace(current, **changes))
+    with torch.no_grad():
+        for child in tangent_layers(base):
+            if child.gate is not None and child.index in gates:
+                child.gate.copy_(gates[child.index].reshape(child.gate.shape))
+    return model
 
 
 def get_config(model) -> TangentConfig | None:
-    """The active TangentConfig of a patched model (also through a PEFT wrapper), or None."""
-    return vars(_base(model)).get(_MODEL_ATTR)
+    """The active (read-only) TangentConfig of a patched model, through any wrapper, or None."""
+    return vars(unwrap(model)).get(_MODEL_ATTR)
 
 
 def tangent_layers(model) -> list[TangentLayer]:
-    """The per-layer patch modules, in layer order."""
-    return [child for _, child in _patched_layers(_base(model))] if get_config(model) else []
+    """The per-layer patch modules, in layer order (through PEFT, DDP, FSDP and DeepSpeed wrappers)."""
+    return [child for _, child in _patched_layers(model)] if get_config(model) else []

@@ -20,11 +20,27 @@ def _norm(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(a, dim=-1, keepdim=True)  # (..., 1)
 
 
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
 def resolve_eps(x: torch.Tensor, eps: float, mode: str = "absolute") -> torch.Tensor | float:
-    """eps itself, or the relative form eps * mean(||x||^2) over the tokens of `x`."""
+    """eps itself, or the relative form eps * ||x||^2 per token, (..., 1).
+
+    Per token, so that one token (a NaN, a zero state) cannot change another token's update; the
+    float32 floor keeps c = <x, y> / (||x||^2 + eps) = 0 (not 0/0) where x = 0.
+    """
     if mode == "relative":
-        return eps * (x * x).sum(-1).mean().detach()
+        return (eps * _dot(x, x)).clamp_min(FLOAT32_TINY).detach()
     return eps
+
+
+def finite_in(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """delta clamped to `dtype`'s finite range (NaN stays NaN). For a retraction, x + delta stays
+    finite in the model dtype wherever x_next is: |x_next - x| can reach 2 ||x||, past fp16's range."""
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(delta.dtype).max:
+        return delta
+    limit = torch.finfo(dtype).max
+    return delta.clamp(-limit, limit)
 
 
 def radial_coefficient(x: torch.Tensor, y: torch.Tensor, eps) -> torch.Tensor:
@@ -58,7 +74,7 @@ def retract(x: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
 
     x_next = r (cos(theta) u + sin(theta) w) with r = ||x||, t = ||v|| / r, w = v / ||v||.
     Written as -2 sin^2(theta/2) x + (sin(theta) / t) v, which stays accurate for small theta
-    and is the identity where ||v|| = 0.
+    and is the identity where ||v|| = 0. Where x = 0 the sphere has radius 0: x stays 0.
     """
     r = _norm(x)
     v_norm = _norm(v)
@@ -66,7 +82,8 @@ def retract(x: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
     theta = retraction_angle(t, p)
     moving = t > 0
     sin_over_t = torch.where(moving, torch.sin(theta) / torch.where(moving, t, torch.ones_like(t)), torch.ones_like(t))
-    return -2.0 * torch.sin(theta / 2) ** 2 * x + sin_over_t * v
+    delta = -2.0 * torch.sin(theta / 2) ** 2 * x + sin_over_t * v
+    return torch.where(r > 0, delta, torch.zeros_like(delta))
 
 
 def orthogonality_error(x: torch.Tensor, y_used: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -115,7 +132,7 @@ def residual_delta(
     eps_value = resolve_eps(xf, eps, eps_mode)
     tangent_or_used = used_update(xf, yf, update, beta=beta, eps=eps_value)
     if update == "retract":
-        delta = retract(xf, alpha * tangent_or_used, p)
+        delta = finite_in(retract(xf, alpha * tangent_or_used, p), y.dtype)
     else:
         delta = alpha * tangent_or_used if alpha != 1.0 else tangent_or_used
     return delta.to(y.dtype)

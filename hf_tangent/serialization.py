@@ -1,9 +1,12 @@
-"""Reloading a patched model that `model.save_pretrained` wrote.
+"""Saving and reloading a patched model.
 
-`save_pretrained` needs no help: the patch's record sits in `model.config` (config.json key
-"hf_tangent") and the gates are parameters of the model (keys `...tangent_patch.gate`).
-`from_pretrained` loads the base model with transformers, checks that the record fits it,
-patches, and restores the gate values that the unpatched model did not take.
+`model.save_pretrained` needs no help on one process: the patch's record sits in `model.config`
+(config.json key "hf_tangent") and the gates are parameters of the model (keys
+`...tangent_patch.gate`, float32, shape (1,); releases before 0.3 wrote shape ()). `save_pretrained`
+here also gathers a sharded model (FSDP1, FSDP2, ZeRO-3) and writes it on rank 0.
+
+`from_pretrained` is strict: it checks the record, the weights and the model against each other
+in both directions and names every mismatch (file and field) before it returns a model.
 """
 
 from __future__ import annotations
@@ -13,14 +16,21 @@ import logging
 import os
 import re
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .config import TangentConfig
 from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers
+from .registry import get_spec
+from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
+_RECORD_FIELDS = {"config": dict, "model_type": str, "num_layers": int, "patched_layers": list, "parallel_layers": list}
+
+
+def _fail(where, message: str):
+    raise ValueError(f"hf_tangent.from_pretrained: {where}: {message}")
 
 
 def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None:
@@ -35,39 +45,78 @@ def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None
         raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo ({err}).") from err
 
 
+def _check_record(record, where: str) -> dict:
+    if not isinstance(record, dict):
+        _fail(where, f"field '{CONFIG_KEY}' must be a mapping, got {type(record).__name__}.")
+    for name, kind in _RECORD_FIELDS.items():
+        value = record.get(name)
+        if name not in record:
+            _fail(where, f"field '{CONFIG_KEY}.{name}' is missing.")
+        if not isinstance(value, kind) or isinstance(value, bool):
+            _fail(where, f"field '{CONFIG_KEY}.{name}' must be a {kind.__name__}, got {value!r}.")
+        if kind is list and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+            _fail(where, f"field '{CONFIG_KEY}.{name}' must list layer indices >= 0, got {value!r}.")
+    if record["num_layers"] < 1:
+        _fail(where, f"field '{CONFIG_KEY}.num_layers' must be >= 1, got {record['num_layers']!r}.")
+    return record
+
+
 def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
-    """The "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
-    with open(_file(path, "config.json", **hub_kwargs), encoding="utf-8") as f:
-        record = json.load(f).get(CONFIG_KEY)
+    """The checked "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
+    config_file = _file(path, "config.json", **hub_kwargs)
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        _fail(config_file, f"not a valid JSON file ({err}).")
+    record = data.get(CONFIG_KEY) if isinstance(data, dict) else None
     if record is None:
         raise ValueError(
             f"hf_tangent.from_pretrained: {path!s} holds no hf_tangent patch (config.json has no "
             f"'{CONFIG_KEY}' entry); load it with transformers' AutoModelForCausalLM.from_pretrained."
         )
-    return record
+    return _check_record(record, config_file)
 
 
-def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, torch.Tensor]:
-    """Gate values by layer index, read from the folder's safetensors files."""
+def _weight_files(path, **hub_kwargs) -> list[str]:
     index_file = _file(path, "model.safetensors.index.json", required=False, **hub_kwargs)
-    if index_file:
+    if not index_file:
+        single = _file(path, "model.safetensors", required=False, **hub_kwargs)
+        if single is None:
+            _fail(path, "no model.safetensors (or index) in the folder; hf_tangent saves safetensors only.")
+        return [single]
+    try:
         with open(index_file, encoding="utf-8") as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        names = ["model.safetensors"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        _fail(index_file, f"not a safetensors index with a 'weight_map' ({err!r}).")
+    return [_file(path, name, **hub_kwargs) for name in names]
+
+
+def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, tuple[str, torch.Tensor]]:
+    """(file, gate value) by layer index, read from the folder's safetensors files."""
+    from safetensors import safe_open
+
     gates = {}
-    for name in names:
-        with safe_open(_file(path, name, **hub_kwargs), framework="pt") as f:
-            for key in f.keys():
-                match = _GATE_KEY.search(key)
-                if match:
-                    gates[int(match.group(1))] = f.get_tensor(key)
-    return gates
+    for name in _weight_files(path, **hub_kwargs):
+        try:
+            with safe_open(name, framework="pt") as f:
+                for key in f.keys():
+                    match = _GATE_KEY.search(key)
+                    if match:
+                        gates[int(match.group(1))] = (name, key, f.get_tensor(key))
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            _fail(name, f"not a readable safetensors file ({err}).")
+    for name, key, value in gates.values():
+        if value.shape not in (torch.Size([]), torch.Size([1])) or not value.is_floating_point():
+            _fail(name, f"tensor '{key}' must be a floating-point gate of shape (1,) (or () before 0.3), "
+                        f"got {value.dtype} {tuple(value.shape)}.")
+    return {layer: (name, value) for layer, (name, key, value) in gates.items()}
 
 
 @contextmanager
 def _quiet_transformers_loading():
-    # The unpatched model does not know the gate keys and would warn about them; we load them below.
+    # The unpatched model does not know the gate keys and would warn about them; we check them here.
     logger = logging.getLogger("transformers.modeling_utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -77,44 +126,93 @@ def _quiet_transformers_loading():
         logger.setLevel(level)
 
 
+def _check_against_model(record: dict, config: TangentConfig, gates: dict, model, info: dict, where: str) -> None:
+    """Record <-> model <-> weights, both ways; raises one ValueError naming every mismatch."""
+    problems = []
+    if model.config.model_type != record["model_type"]:
+        problems.append(f"it was saved from model_type '{record['model_type']}', the folder holds "
+                        f"'{model.config.model_type}'")
+    spec = get_spec(model.config.model_type)
+    layers = spec.decoder_layers(model)
+    if len(layers) != record["num_layers"]:
+        problems.append(f"it was saved for {record['num_layers']} layers, the model has {len(layers)}")
+    if problems:
+        _fail(where, "the patch does not match its model: " + "; ".join(problems) + ".")
+    try:
+        patched = list(config.resolve_layers(len(layers)))
+        parallel = [i for i in config.resolve_parallel_layers(len(layers)) if not spec.is_parallel(layers[i])]
+    except ValueError as err:
+        _fail(where, f"field '{CONFIG_KEY}.config': {err}")
+    if patched != sorted(record["patched_layers"]):
+        problems.append(f"'patched_layers' {record['patched_layers']} disagrees with config.layers "
+                        f"{None if config.layers is None else list(config.layers)} (= layers {patched})")
+    if parallel != sorted(record["parallel_layers"]):
+        problems.append(f"'parallel_layers' {record['parallel_layers']} disagrees with config.parallel_layers "
+                        f"{list(config.parallel_layers)} (= layers {parallel})")
+    expected = patched if config.gates else []
+    if sorted(gates) != expected:
+        problems.append(f"gates are saved for layers {sorted(gates)}, the patch gates layers {expected}"
+                        + ("" if config.gates else " (config.gates is false)"))
+    missing = list(info.get("missing_keys", []))
+    unexpected = [k for k in info.get("unexpected_keys", []) if not _GATE_KEY.search(k)]
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", [])]
+    for label, keys in (("missing from the weights", missing), ("not in the model", unexpected),
+                        ("of the wrong shape", mismatched)):
+        if keys:
+            problems.append(f"weights {label}: {sorted(keys)[:8]}{' ...' if len(keys) > 8 else ''}")
+    if problems:
+        _fail(where, "the patch does not match its model: " + "; ".join(problems) + ".")
+
+
 def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
     """Load a folder (or hub repo) written by a patched model's `save_pretrained`; re-apply its patch.
 
     `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
-    (dtype, device_map, attn_implementation, ...).
+    (dtype, device_map, attn_implementation, ...). Every mismatch between the record in
+    config.json, the saved weights and the model raises a ValueError naming the file and field.
     """
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     record = read_patch_record(path, **hub_kwargs)
-    config = TangentConfig.from_dict(record["config"])
+    where = f"{Path(str(path)) / 'config.json'}"
+    try:
+        config = TangentConfig.from_dict(record["config"])
+    except ValueError as err:
+        _fail(where, f"field '{CONFIG_KEY}.config': {err}")
+    gates = _saved_gates(path, **hub_kwargs)
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
-    with _quiet_transformers_loading():
-        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
-
-    problems = []
-    if model.config.model_type != record.get("model_type"):
-        problems.append(f"it was saved from model_type '{record.get('model_type')}', the folder holds '{model.config.model_type}'")
-    from .registry import get_spec
-
-    num_layers = len(get_spec(model.config.model_type).decoder_layers(model))
-    if num_layers != record.get("num_layers"):
-        problems.append(f"it was saved for {record.get('num_layers')} layers, the model has {num_layers}")
-    gates = _saved_gates(path, **hub_kwargs) if config.gates else {}
-    if not problems and config.gates and sorted(gates) != sorted(record.get("patched_layers", [])):
-        problems.append(f"gates are saved for layers {sorted(gates)}, the patch gates layers {record.get('patched_layers')}")
-    leftover = [k for k in info.get("unexpected_keys", []) if not _GATE_KEY.search(k)]
-    if problems:
-        raise ValueError(f"hf_tangent.from_pretrained: the patch in {path!s} does not match its model: " + "; ".join(problems) + ".")
-    if leftover:
-        logging.getLogger(__name__).warning("unexpected keys in %s not loaded: %s", path, leftover)
-
+    try:
+        with _quiet_transformers_loading():
+            model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"hf_tangent.from_pretrained: transformers could not load the model in {path!s}: {err}") from err
+    _check_against_model(record, config, gates, model, info, where)
     delattr(model.config, CONFIG_KEY)  # patch() writes it again from the validated config
     patch(model, config)
     with torch.no_grad():
         for child in tangent_layers(model):
             if child.gate is not None:
-                child.gate.copy_(gates[child.index].to(child.gate.dtype))
+                child.gate.copy_(gates[child.index][1].reshape(child.gate.shape).to(child.gate.dtype))
     return model
+
+
+def save_pretrained(model, folder: str | os.PathLike, **kwargs) -> Path | None:
+    """`model.save_pretrained(folder)` that also takes a wrapped or sharded model (PEFT, DDP, FSDP1,
+    FSDP2, ZeRO-3): the full state dict is gathered (every rank must call this) and rank 0 writes
+    the folder, with the transformers class name (not FSDP2's subclass). Returns the folder on rank 0."""
+    state = full_state_dict(model)  # collective
+    if state is None:
+        return None
+    base = unwrap(model)
+    folder = Path(folder)
+    base.save_pretrained(folder, state_dict=state, **kwargs)
+    config_file = folder / "config.json"
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    real = model_class(model).__name__
+    if data.get("architectures") not in (None, [real]):
+        data["architectures"] = [real]  # FSDP2 subclasses the model class in place ("FSDPLlamaForCausalLM")
+        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder
 
 
 def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):

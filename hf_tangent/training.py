@@ -9,13 +9,17 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import statistics
+import warnings
 
 import torch
 
 from .patching import CHILD_NAME, tangent_layers
+from .wrappers import full_parameters, full_value
 
 GATE_SUFFIX = f"{CHILD_NAME}.gate"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
 def lm_dataset(windows: torch.Tensor):
@@ -40,8 +44,11 @@ def freeze_all_but_gates(model) -> list[torch.nn.Parameter]:
 
 
 def gate_values(model) -> dict[int, float]:
-    """Gate value by layer index."""
-    return {child.index: float(child.gate.detach().float()) for child in tangent_layers(model) if child.gate is not None}
+    """Gate value by layer index, also through DDP / FSDP1 / FSDP2 / ZeRO-3 wrappers, where the
+    gates are gathered: a collective, so call it on every rank."""
+    children = [child for child in tangent_layers(model) if child.gate is not None]
+    with full_parameters(model, [child.gate for child in children]):
+        return {child.index: float(full_value(child.gate).detach().float().reshape(-1)[0]) for child in children}
 
 
 def gate_summary(gates: dict[int, float]) -> dict:
@@ -87,15 +94,40 @@ def training_arguments(output_dir: str, *, max_steps: int, learning_rate: float,
     )
 
 
-def train(model, train_dataset, args, *, resume: bool = False):
-    """Run the HF Trainer; `resume` continues from the last checkpoint in args.output_dir if any."""
-    from transformers import Trainer, default_data_collator
-    from transformers.trainer_utils import get_last_checkpoint
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` folder in `output_dir` that the Trainer finished writing (it
+    writes trainer_state.json last), or None. Newer, incomplete ones (a run killed while saving)
+    are skipped with a warning."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted((int(m.group(1)), m.group(0)) for m in (_CHECKPOINT.fullmatch(n) for n in os.listdir(output_dir)) if m)
+    skipped = []
+    for _, name in reversed(steps):
+        folder = os.path.join(output_dir, name)
+        if os.path.isfile(os.path.join(folder, "trainer_state.json")):
+            if skipped:
+                warnings.warn(f"hf_tangent: skipping incomplete checkpoints {skipped} (no trainer_state.json: the run "
+                              f"stopped while saving); resuming from {name}.", stacklevel=2)
+            return folder
+        skipped.append(name)
+    return None
 
+
+def train(model, train_dataset, args, *, resume: bool = False, callbacks=None, trainer_class=None):
+    """Run the HF Trainer; `resume` continues from the newest complete checkpoint in
+    args.output_dir and is an error when there is none."""
+    from transformers import Trainer, default_data_collator
+
+    checkpoint = None
+    if resume:
+        checkpoint = last_complete_checkpoint(args.output_dir)
+        if checkpoint is None:
+            raise ValueError(f"--resume: no complete checkpoint (checkpoint-N/ with trainer_state.json) in "
+                             f"{args.output_dir}; run without --resume to train from the start.")
     if getattr(args, "gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # frozen embeddings + checkpointing (peft #742)
-    checkpoint = get_last_checkpoint(args.output_dir) if resume and os.path.isdir(args.output_dir) else None
-    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=default_data_collator)
+    trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=train_dataset,
+                                         data_collator=default_data_collator, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
 
