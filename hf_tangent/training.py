@@ -113,11 +113,29 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+def check_sharding(model) -> None:
+    """Refuse, before any work, a run that accelerate would shard with FSDP1 while the model holds
+    parameters of more than one dtype (bf16 weights, float32 gates): FSDP1 flattens each unit into
+    one tensor of one dtype and would fail at wrap time with a message that does not say what to do."""
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not fsdp or os.environ.get("FSDP_VERSION", "1") != "1":
+        return
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"FSDP1 flattens each wrapped unit into one tensor of one dtype, but this model holds {', '.join(dtypes)} "
+            "parameters (hf_tangent's gates are float32). Either load the model in float32 and train in bf16 "
+            "through mixed precision (accelerate `mixed_precision: bf16`, or TrainingArguments(bf16=True)), or use "
+            "FSDP2 (accelerate config `fsdp_version: 2`), which keeps each parameter's dtype."
+        )
+
+
 def train(model, train_dataset, args, *, resume: bool = False, callbacks=None, trainer_class=None):
     """Run the HF Trainer; `resume` continues from the newest complete checkpoint in
     args.output_dir and is an error when there is none."""
     from transformers import Trainer, default_data_collator
 
+    check_sharding(model)
     checkpoint = None
     if resume:
         checkpoint = last_complete_checkpoint(args.output_dir)
