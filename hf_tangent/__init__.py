@@ -3,23 +3,42 @@
     import hf_tangent as ht
     model = ht.patch(model, ht.TangentConfig(update="projected"))
 
-Importing this package changes nothing: every patch is per model instance.
+Importing this package changes nothing: every patch is per model instance. The recipe API
+(`ht.calibrate_gates`, `ht.evaluate_rules`, ...) is imported on first use.
 """
 
 from ._version import __version__
 from .config import TangentConfig
+from .data import TextSource
 from .hub import push_to_hub, save_hub_folder
 from .models import load_model
 from .parallel import parallelize
-from .patching import TangentLayer, get_config, patch, tangent_layers, unpatch, update_config
+from .patching import TangentLayer, disabled, get_config, patch, tangent_layers, unpatch, update_config
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
 from .serialization import from_config, from_pretrained, save_pretrained
+
+# The Python API of every recipe (hf_tangent.experiments), loaded lazily: it imports the Trainer.
+_LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
+         "ablate": "experiments", "diagnose_layers": "experiments", "layer_sensitivity": "experiments",
+         "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
+         "TangentTrainingArguments": "training", "gate_values": "training"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'hf_tangent' has no attribute {name!r}")
+
 
 __all__ = [
     "ArchitectureSpec",
     "TangentConfig",
     "TangentLayer",
+    "TextSource",
     "__version__",
+    "disabled",
     "from_config",
     "from_pretrained",
     "get_config",
@@ -34,4 +53,5 @@ __all__ = [
     "tangent_layers",
     "unpatch",
     "update_config",
+    *_LAZY,
 ]

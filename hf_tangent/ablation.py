@@ -18,7 +18,7 @@ import torch
 from .config import TangentConfig
 from .evaluation import window_nll
 from .patching import get_config, patch, unpatch
-from .registry import get_spec
+from .registry import architecture
 
 VARIANTS = ("full", "zero_ffn", "radial_only", "tangential_only", "attention_zero")
 _RULE_OF = {"zero_ffn": "zero", "radial_only": "radial", "tangential_only": "projected"}
@@ -45,8 +45,7 @@ def ablated(model, variant: str, layers: list[int] | None = None):
         finally:
             unpatch(model)
         return
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     chosen = range(len(decoder)) if layers is None else layers
     handles = [spec.submodule(decoder[i], "attention").register_forward_hook(_zero_attention) for i in chosen]
     try:
@@ -76,7 +75,7 @@ def run_ablation(model, windows: torch.Tensor, *, variants=VARIANTS, layerwise: 
         raise ValueError(f"unknown ablations {unknown}; accepted: {', '.join(VARIANTS)}.")
     tokens = windows.shape[1] - 1
     full = window_nll(model, windows, batch_size=batch_size, progress=progress) / tokens  # (n,)
-    num_layers = len(get_spec(model.config.model_type).decoder_layers(model))
+    num_layers = len(architecture(model)[1])
     scopes = [None] + (list(range(num_layers)) if layerwise else [])
     rows = []
     for scope in scopes:

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,6 +139,14 @@ def load_documents(text_files: Sequence[str] | None = None, dataset: str | None 
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"text files not found: {missing}")
+    for name in files:  # before datasets, whose error for a bad byte names neither file nor position
+        with open(name, "rb") as f:
+            raw = f.read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"text file {name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 4]!r}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8.") from None
     ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
     docs = [d for d in ds["text"] if d.strip()]
     if not docs:
@@ -166,3 +175,101 @@ def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows:
     if max_windows is not None:
         n = min(n, max_windows)
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)  # (n, seq_len)
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """Where evaluation and training text come from, and how reports name it (one place for both).
+
+    Evaluation text: `text_files`, a hub `dataset` (its `dataset_split`), in-memory `documents`, or
+    the held-out Austen novels. Training / calibration text: `calibration_files`, in-memory
+    `calibration_documents`, the dataset's train split, or the Austen calibration novels; with
+    evaluation files only, training uses the first 80% of their documents and evaluation the rest."""
+
+    text_files: tuple[str, ...] | None = None
+    dataset: str | None = None
+    dataset_split: str = "test"
+    calibration_files: tuple[str, ...] | None = None
+    documents: tuple[str, ...] | None = None
+    calibration_documents: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        given = [n for n in ("text_files", "dataset", "documents") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"pass one evaluation text source, not {' and '.join(given)}.")
+        if self.calibration_files and self.calibration_documents:
+            raise ValueError("pass calibration_files or calibration_documents, not both.")
+        overlap = set(map(os.path.abspath, self.calibration_files or ())) & set(map(os.path.abspath, self.text_files or ()))
+        if overlap:
+            raise ValueError(f"files used both for calibration and evaluation: {sorted(overlap)}.")
+
+    @classmethod
+    def of(cls, text) -> TextSource:
+        """A TextSource as is, None (the defaults), or a sequence of documents to evaluate on."""
+        if text is None:
+            return cls()
+        if isinstance(text, TextSource):
+            return text
+        if isinstance(text, str) or not all(isinstance(d, str) for d in text):
+            raise ValueError("text must be a TextSource or a list of documents (strings).")
+        return cls(documents=tuple(text))
+
+    @property
+    def _own_training(self) -> bool:
+        return bool(self.calibration_files or self.calibration_documents)
+
+    def evaluation_documents(self, *, training: bool = False) -> list[str]:
+        if self.documents:
+            return list(self.documents)
+        if self.dataset:
+            return load_documents(dataset=self.dataset, dataset_split=self.dataset_split)
+        if training and self.text_files and not self._own_training:
+            return self._split_files()[0]
+        return load_documents(self.text_files, split="evaluation")
+
+    def training_documents(self) -> list[str]:
+        """Calibration / training text, never overlapping the evaluation text."""
+        if self.calibration_documents:
+            return list(self.calibration_documents)
+        if self.calibration_files:
+            return load_documents(self.calibration_files)
+        if self.dataset:
+            return load_documents(dataset=self.dataset, dataset_split="train")
+        if self.text_files:
+            return self._split_files()[1]
+        if self.documents:
+            raise ValueError("in-memory evaluation documents need calibration_documents for training.")
+        return load_documents(split="calibration")
+
+    def _split_files(self) -> tuple[list[str], list[str]]:
+        docs = load_documents(self.text_files)
+        if len(docs) < 2:
+            raise ValueError("training needs calibration text separate from the evaluation text: pass "
+                             "calibration files, or at least two documents in the text files (split by document).")
+        held_out = max(1, len(docs) // 5)
+        return docs[-held_out:], docs[:-held_out]
+
+    def describe(self, *, training: bool = False) -> str | dict[str, str]:
+        """The provenance written into reports: a string, or {evaluation, calibration} with training."""
+        files = " ".join(self.text_files or ())
+        split = training and self.text_files and not self._own_training
+        evaluation = ("user documents" if self.documents else f"{self.dataset}:{self.dataset_split}" if self.dataset
+                      else f"{files} (last 20% of documents)" if split else files or "austen:evaluation")
+        if not training:
+            return evaluation
+        calibration = ("user documents" if self.calibration_documents else " ".join(self.calibration_files)
+                       if self.calibration_files else f"{self.dataset}:train" if self.dataset
+                       else f"{files} (first 80% of documents)" if split else "austen:calibration")
+        return {"evaluation": evaluation, "calibration": calibration}
+
+    def describe_calibration(self) -> str:
+        """Provenance of calibration-only text (sensitivity, the parallel sweep's C_l)."""
+        if self.calibration_documents:
+            return "user documents"
+        return " ".join(self.calibration_files) if self.calibration_files else "austen:calibration"
+
+    def calibration_only_documents(self) -> list[str]:
+        """Calibration text for analyses that evaluate nothing (C_l): never the evaluation text."""
+        if self.calibration_documents:
+            return list(self.calibration_documents)
+        return load_documents(self.calibration_files) if self.calibration_files else load_documents(split="calibration")

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .registry import get_spec
+from .registry import architecture
 
 EPS = 1e-6
 # name -> description; the order is the order of the records and plots
@@ -158,8 +158,7 @@ def record(model, layers: list[int] | None = None):
     Works on unpatched and patched models (any update rule, parallel blocks); never changes outputs.
     """
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     num_layers = len(decoder)
     chosen = list(range(num_layers)) if layers is None else list(layers)
     bad = [i for i in chosen if not 0 <= i < num_layers]

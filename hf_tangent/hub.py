@@ -12,6 +12,7 @@ import os
 import shutil
 import string
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 from .patching import CONFIG_KEY, get_config
@@ -20,10 +21,10 @@ from .wrappers import model_class, unwrap
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
-                       "wrappers.py", "patching.py")
+                       "wrappers.py", "layer.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CLASS = "TangentForCausalLM"
-CARD_TEMPLATE = PACKAGE_DIR.parent / "model_cards" / "hf_tangent_model_card.md"
+CARD_TEMPLATE = "hf_tangent_model_card.md"  # in the package data hf_tangent.model_cards (the top-level model_cards/)
 
 _MODELING_TEMPLATE = '''"""hf_tangent remote code: {base} with the hf_tangent patch recorded in config.json.
 
@@ -38,6 +39,7 @@ from ._version import __version__  # noqa: F401
 from .config import TangentConfig
 from .fused import fused_residual_delta  # noqa: F401
 from .fused_parallel import FusedParallelExecution  # noqa: F401
+from .layer import TangentLayer  # noqa: F401
 from .patching import CONFIG_KEY, patch
 from .registry import get_spec  # noqa: F401
 from .rules import residual_delta  # noqa: F401
@@ -68,7 +70,7 @@ def add_remote_code(folder: str | os.PathLike, base_class_name: str) -> None:
 
 def render_model_card(context: dict) -> str:
     """The model card template filled with `context` ($-placeholders; missing ones say so)."""
-    template = string.Template(CARD_TEMPLATE.read_text(encoding="utf-8"))
+    template = string.Template((resources.files("hf_tangent.model_cards") / CARD_TEMPLATE).read_text(encoding="utf-8"))
     names = {m.group("named") or m.group("braced") for m in template.pattern.finditer(template.template)} - {None}
     return template.safe_substitute({name: "(not recorded)" for name in names} | context)
 
@@ -112,7 +114,14 @@ def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: d
 
 def push_to_hub(model_or_folder, repo_id: str, *, tokenizer=None, card: dict | None = None, token: str | None = None,
                 private: bool | None = None, commit_message: str = "Upload hf_tangent patched model"):
-    """Publish a patched model (or a folder written by `save_hub_folder`) through huggingface_hub."""
+    """Publish a patched model (or a folder written by `save_hub_folder`) through huggingface_hub.
+
+    Args:
+        model_or_folder: a patched model (saved with `save_hub_folder` first) or such a folder.
+        repo_id: the Hub repository ("user/name"), created if missing.
+        tokenizer, card: saved with the model (card: values for the model card template).
+        token, private, commit_message: passed to huggingface_hub.
+    Returns the upload's commit info."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

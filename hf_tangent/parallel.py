@@ -4,7 +4,7 @@
 
 (math.md section 4; defined once, in `sensitivity`). Small C_l: the parallel surrogate
 x + A(x) + Phi(Norm(x)) is accurate for that layer. Conversion itself is `TangentConfig(parallel_layers=...)`;
-`parallelize` picks the layers by a schedule, `parallel_sweep` measures the held-out loss for
+`parallelize` picks the layers by a schedule, `sweep_losses` measures the held-out loss for
 k = 0..L converted layers, `greedy_order` is the loss-aware selection, `recommend` the largest set
 within a loss budget, and `submodule_times` / `estimated_speedup` the paper's speed estimate.
 """
@@ -22,7 +22,7 @@ from .config import TangentConfig
 from .diagnostics import RunningStat
 from .evaluation import forward_windows, perplexity
 from .patching import get_config, patch, tangent_layers, unpatch
-from .registry import get_spec
+from .registry import architecture
 
 SCHEDULES = ("low_c", "high_c", "random")
 EPS = 1e-6
@@ -39,8 +39,7 @@ def sensitivity(model, windows: torch.Tensor, *, batch_size: int = 1, progress=N
         raise ValueError("sensitivity: no calibration windows (the calibration text is empty).")
     if get_config(model) is not None:
         raise ValueError("sensitivity: measure C_l on the unpatched model (hf_tangent.unpatch first).")
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     token_stats = [RunningStat() for _ in decoder]
     window_means: list[list[float]] = [[] for _ in decoder]
     parallel = [i for i, layer in enumerate(decoder) if spec.is_parallel(layer)]
@@ -120,8 +119,7 @@ def parallelize(model, layers=None, *, schedule: str | None = None, n: int | Non
     """Convert layers to parallel-residual form, keeping the rest of the active patch (and its
     gate values). Either `layers`, or a `schedule` with `n` and C_l `scores` (or calibration
     `windows` to compute them). Returns the model; the converted layers are in get_config(model)."""
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     convertible = [i for i, layer in enumerate(decoder) if not spec.is_parallel(layer)]
     if not convertible:
         raise ValueError(f"every layer of this {model.config.model_type} model is already a parallel-residual "
@@ -177,8 +175,7 @@ def greedy_order(model, windows: torch.Tensor, *, max_k: int | None = None, batc
                  candidates=None, progress=None) -> list[dict]:
     """Loss-aware selection: repeatedly convert the layer whose conversion costs the least
     calibration loss given those already converted. O(L^2) evaluations of `windows`."""
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     remaining = [i for i, layer in enumerate(decoder) if not spec.is_parallel(layer)] if candidates is None else list(candidates)
     max_k = len(remaining) if max_k is None else max_k
     base = _loss(model, windows, batch_size)
@@ -196,7 +193,7 @@ def greedy_order(model, windows: torch.Tensor, *, max_k: int | None = None, batc
     return steps
 
 
-def parallel_sweep(model, windows: torch.Tensor, *, scores, ks=None, random_seeds=(0, 1, 2), greedy=None,
+def sweep_losses(model, windows: torch.Tensor, *, scores, ks=None, random_seeds=(0, 1, 2), greedy=None,
                    batch_size: int = 1, progress=None) -> dict:
     """Held-out loss increase for k converted layers under low-C_l, high-C_l, random (mean over
     seeds) and, if `greedy` (an order from greedy_order) is given, the loss-aware schedule."""
@@ -250,8 +247,7 @@ def recommend(model, calibration: torch.Tensor, heldout: torch.Tensor, *, budget
 def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_size: int = 1) -> dict:
     """Median wall time per layer of the attention (T_A) and FFN (T_Phi) submodules, and of the
     whole forward, measured with hooks on this device (CUDA is synchronised around each module)."""
-    spec = get_spec(model.config.model_type)
-    decoder = spec.decoder_layers(model)
+    spec, decoder = architecture(model)
     cuda = next(model.parameters()).is_cuda
     samples = {(i, role): [] for i in range(len(decoder)) for role in ("attention", "mlp")}
     starts, handles = {}, []

@@ -83,6 +83,7 @@ def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bo
 
 
 def supported_model_types() -> list[str]:
+    """The `model_type`s with a registry entry (built in or added with `register_architecture`), sorted."""
     return sorted(_REGISTRY)
 
 
@@ -96,9 +97,15 @@ def get_spec(model_type: str) -> ArchitectureSpec:
         ) from None
 
 
+def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
+    """(spec, decoder layers) of a supported model: the one place a model's architecture is resolved."""
+    spec = get_spec(model.config.model_type)
+    return spec, spec.decoder_layers(model)
+
+
 def decoder_layers(model) -> nn.ModuleList:
     """The decoder layers of any supported model."""
-    return get_spec(model.config.model_type).decoder_layers(model)
+    return architecture(model)[1]
 
 
 _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",

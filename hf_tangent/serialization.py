@@ -2,7 +2,7 @@
 
 `model.save_pretrained` needs no help on one process: the patch's record sits in `model.config`
 (config.json key "hf_tangent") and the gates are parameters of the model (keys
-`...tangent_patch.gate`, float32, shape (1,); releases before 0.3 wrote shape ()). `save_pretrained`
+`...tangent_patch.gate`, float32, shape (1,); releases before 0.2 wrote shape ()). `save_pretrained`
 here also gathers a sharded model (FSDP1, FSDP2, ZeRO-3) and writes it on rank 0.
 
 `from_pretrained` is strict: it checks the record, the weights and the model against each other
@@ -22,7 +22,7 @@ import torch
 
 from .config import TangentConfig
 from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers
-from .registry import get_spec
+from .registry import architecture
 from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
@@ -109,7 +109,7 @@ def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, tuple[str, 
             _fail(name, f"not a readable safetensors file ({err}).")
     for name, key, value in gates.values():
         if value.shape not in (torch.Size([]), torch.Size([1])) or not value.is_floating_point():
-            _fail(name, f"tensor '{key}' must be a floating-point gate of shape (1,) (or () before 0.3), "
+            _fail(name, f"tensor '{key}' must be a floating-point gate of shape (1,) (or () before 0.2), "
                         f"got {value.dtype} {tuple(value.shape)}.")
     return {layer: (name, value) for layer, (name, key, value) in gates.items()}
 
@@ -132,8 +132,7 @@ def _check_against_model(record: dict, config: TangentConfig, gates: dict, model
     if model.config.model_type != record["model_type"]:
         problems.append(f"it was saved from model_type '{record['model_type']}', the folder holds "
                         f"'{model.config.model_type}'")
-    spec = get_spec(model.config.model_type)
-    layers = spec.decoder_layers(model)
+    spec, layers = architecture(model)
     if len(layers) != record["num_layers"]:
         problems.append(f"it was saved for {record['num_layers']} layers, the model has {len(layers)}")
     if problems:

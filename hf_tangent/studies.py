@@ -18,13 +18,16 @@ import math
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from .config import TangentConfig
 from .diagnostics import diagnose
 from .evaluation import perplexity
-from .training import lm_dataset, paired_permutation_test, training_arguments
+from .reports import Report
+from .training import ObserveCallback, lm_dataset, loss_curve, train, training_arguments
+from .verdicts import summarize, verdict
 
 STUDIES = {
     "tangential": {
@@ -142,7 +145,9 @@ def _observe(model, val_windows, batch_size: int) -> dict:
 
 def run_variant(study: str, variant: str, seed: int, scale: dict, arch: str, tokenizer, train_windows, val_windows,
                 output_dir: str, branches=("ffn",), device: str = "cpu") -> dict:
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
+    """One seeded from-scratch run: the recipes' Trainer setup, with the validation loss and the
+    diagnostics observed every `eval_every` steps (and at steps 0 and the last)."""
+    from transformers import AutoModelForCausalLM
 
     from .patching import patch
 
@@ -153,133 +158,18 @@ def run_variant(study: str, variant: str, seed: int, scale: dict, arch: str, tok
     if settings is not None:
         config = TangentConfig(**settings, eps_mode="relative", branches=tuple(branches))
         patch(model, config)
-    history = []
-    every = scale["eval_every"]
-
-    class Observe(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % every == 0 or state.global_step == scale["max_steps"]:
-                history.append({"step": state.global_step, **_observe(model, val_windows, 4)})
-
     args = training_arguments(os.path.join(output_dir, "runs", f"{variant.replace(' ', '_')}-seed{seed}"),
                               max_steps=scale["max_steps"], learning_rate=scale["learning_rate"],
                               batch_size=scale["batch_size"], seed=seed, device=device, lr_scheduler="cosine",
                               warmup_steps=max(1, scale["max_steps"] // 20), weight_decay=0.1)
-    history.append({"step": 0, **_observe(model, val_windows, 4)})
-    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(train_windows), data_collator=default_data_collator,
-                      callbacks=[Observe()])
-    trainer.train()
+    observer = ObserveCallback(lambda m: _observe(m, val_windows, 4), every=scale["eval_every"])
+    trainer = train(model, lm_dataset(train_windows), args, callbacks=[observer])
+    history = observer.history
     grad_norms = [row["grad_norm"] for row in trainer.state.log_history if "grad_norm" in row]
-    train_losses = [(row["step"], row["loss"]) for row in trainer.state.log_history if "loss" in row]
     return {"variant": variant, "seed": seed, "final_val_loss": history[-1]["val_loss"], "history": history,
-            "train_loss": train_losses, "grad_norm_mean": statistics.fmean(grad_norms) if grad_norms else None,
+            "train_loss": loss_curve(trainer), "grad_norm_mean": statistics.fmean(grad_norms) if grad_norms else None,
             "grad_norm_variance": statistics.pvariance(grad_norms) if len(grad_norms) > 1 else None,
             "config": None if config is None else config.to_dict()}
-
-
-def summarize(runs: list[dict], baseline: str) -> list[dict]:
-    by = {(r["variant"], r["seed"]): r for r in runs}
-    variants = list(dict.fromkeys(r["variant"] for r in runs))
-    rows = []
-    for v in variants:
-        seeds = sorted(s for (name, s) in by if name == v)
-        losses = [by[(v, s)]["final_val_loss"] for s in seeds]
-        deltas = paired_deltas(runs, v, baseline)
-        rows.append({"variant": v, "seeds": len(seeds), "final_val_loss_mean": statistics.fmean(losses),
-                     "final_val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-                     "delta_mean": statistics.fmean(deltas) if deltas else float("nan"),
-                     "p_value": paired_permutation_test(deltas) if v != baseline else float("nan")})
-    return rows
-
-
-def paired_deltas(runs: list[dict], a: str, b: str) -> list[float]:
-    """Final loss(a) - final loss(b) per seed both were run with, in seed order."""
-    by = {(r["variant"], r["seed"]): r["final_val_loss"] for r in runs}
-    return [by[(a, s)] - by[(b, s)] for s in sorted(s for (v, s) in by if v == a) if (b, s) in by]
-
-
-def paired(runs: list[dict], a: str, b: str) -> tuple[float, float]:
-    """Mean over shared seeds of final loss(a) - final loss(b), and its paired permutation p-value."""
-    deltas = paired_deltas(runs, a, b)
-    return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (float("nan"), float("nan"))
-
-
-def _outcome(direction: bool, p_values: list[float], floor: float) -> str:
-    """'held': the means point the hypothesis' way and every paired p <= 0.05; 'held in the mean only':
-    the means do and every seed agrees (p at its floor 2/2^n), too few seeds for more; 'inconclusive':
-    the means do but some seed disagrees; otherwise 'did not hold'."""
-    if not direction:
-        return "did not hold"
-    if p_values and all(p <= 0.05 for p in p_values):
-        return "held"
-    if p_values and all(p <= floor * (1 + 1e-9) for p in p_values):
-        return "held in the mean only"
-    return "inconclusive"
-
-
-def _said(outcome: str) -> str:
-    return "was inconclusive" if outcome == "inconclusive" else outcome
-
-
-def verdict_outcome(study: str, summary: list[dict], runs: list[dict] | None = None) -> tuple[str, str]:
-    """(outcome, sentence) per study, from the numbers, with the confidence the seeds allow; with the
-    runs, also the paired comparisons of the best variant against the other contenders."""
-    base, others = summary[0], summary[1:]
-    n = base["seeds"]
-    floor = 2 / 2**n
-    reach = f"with {n} seeds the smallest reachable p-value is {floor:.3f}"
-    if study == "retraction":
-        best = min(summary, key=lambda r: r["final_val_loss_mean"])
-        finite = best["variant"] not in ("euclidean", "retract p=inf")
-        against, p_values = "", []
-        if best is not base:
-            against = f" (vs euclidean {best['delta_mean']:+.4f}, p = {best['p_value']:.3f}"
-            p_values.append(best["p_value"])
-            if runs and finite and any(r["variant"] == "retract p=inf" for r in runs):
-                delta, p = paired(runs, best["variant"], "retract p=inf")
-                against += f"; vs retract p=inf {delta:+.4f}, p = {p:.3f}"
-                p_values.append(p)
-            against += ")"
-        outcome = _outcome(finite, p_values, floor)
-        family = [r for r in summary if r["variant"].startswith("retract")]
-        within = ""
-        if family:  # where the optimum over p sits among the retraction variants alone
-            top = min(family, key=lambda r: r["final_val_loss_mean"])
-            place = ("at the small-p end of the range tried" if top is family[0] else "at p = inf" if top is family[-1]
-                     else "inside the range tried")
-            within = (f" Among the retraction variants alone the best is {top['variant']} "
-                      f"({top['final_val_loss_mean']:.4f}, {place}; " +
-                      ", ".join(f"{r['variant'].split()[-1]}: {r['final_val_loss_mean']:.4f}" for r in family) + ").")
-        return outcome, (f"Best mean final validation loss: {best['variant']} ({best['final_val_loss_mean']:.4f}){against}."
-                         f"{within} The hypothesis (best at a finite p) {_said(outcome)} on this data at this scale; {reach}.")
-    if study == "noise":
-        tangent = [r for r in others if r["variant"].startswith("tangent")]
-        matched = {r["variant"]: r for r in others if not r["variant"].startswith("tangent")}
-        if not tangent:
-            return "not tested", "No tangent-noise variant was run."
-        best = min(tangent, key=lambda r: r["final_val_loss_mean"])
-        pairs = {k: paired(runs, best["variant"], k) for k in matched} if runs else {}
-        comparison = ", ".join(f"{k}: {v['final_val_loss_mean']:.4f}" + (
-            " (paired delta {:+.4f}, p = {:.3f})".format(*pairs[k]) if k in pairs else "") for k, v in matched.items())
-        beats = all(best["final_val_loss_mean"] < v["final_val_loss_mean"] for v in matched.values()) and \
-            best["final_val_loss_mean"] < base["final_val_loss_mean"]
-        outcome = _outcome(beats, [best["p_value"], *(p for _, p in pairs.values())] if len(pairs) == len(matched) else [],
-                           floor)
-        return outcome, (f"Best tangent noise: {best['variant']} ({best['final_val_loss_mean']:.4f}, delta vs no noise "
-                         f"{best['delta_mean']:+.4f}, p = {best['p_value']:.3f}); matched comparators: "
-                         f"{comparison or 'not run'}. The hypothesis (tangent noise beats no noise and the matched "
-                         f"comparators) {_said(outcome)} on this data at this scale; {reach}.")
-    better = [r for r in others if r["delta_mean"] < 0]
-    significant = [r for r in better if r["p_value"] <= 0.05]
-    outcome = max((_outcome(True, [r["p_value"]], floor) for r in better), default="did not hold",
-                  key=["did not hold", "inconclusive", "held in the mean only", "held"].index)
-    return outcome, (f"Variants below the unpatched final validation loss: {[r['variant'] for r in better] or 'none'}; "
-                     f"significant at p <= 0.05: {[r['variant'] for r in significant] or 'none'}; {reach}. "
-                     f"The hypothesis (tangential updates train better) {_said(outcome)} on this data at this scale.")
-
-
-def verdict(study: str, summary: list[dict], runs: list[dict] | None = None) -> str:
-    return verdict_outcome(study, summary, runs)[1]
 
 
 BUDGET_KEYS = ("max_steps", "eval_every", "learning_rate", "batch_size", "seq_len", "train_windows", "val_windows")
@@ -301,9 +191,14 @@ def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
 
 def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", variants=None, seeds=None,
               branches=("ffn",), output_dir: str = "runs/study", device: str = "cpu", progress=None,
-              overrides: dict | None = None, train_docs=None, val_docs=None, data: str | None = None) -> dict:
-    """Train every variant of `study` for every seed; train_docs / val_docs replace the scale's text.
+              overrides: dict | None = None, train_docs=None, val_docs=None, data: str | None = None) -> Report:
+    """Train every variant of `study` for every seed and compare them paired by seed (the `study` report).
 
+    Args:
+        study: tangential, retraction or noise; scale_name: smoke, cpu or paper (model size and budget).
+        arch: gpt2 or gpt_neox; variants: a subset (the baseline always runs); seeds: default the scale's.
+        branches: ("ffn",) or ("ffn", "attention"); overrides: budget keys of BUDGET_KEYS.
+        train_docs, val_docs: documents that replace the scale's text (both or neither); data: their name.
     The tokenizer is a byte-level BPE of the scale's vocabulary size trained on the training
     documents only, or GPT-2's where the scale has no vocabulary size (the `paper` scale)."""
     from .data import load_documents, pack_windows
@@ -337,10 +232,11 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
             if progress is not None:
                 progress.update(1)
     summary = summarize(runs, names[0])
-    return {"study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
-            "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary, runs),
-            "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(), "train_windows": len(train_windows), "val_windows": len(val_windows),
-            "data": data or "user documents"}
+    return Report("study", {
+        "study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
+        "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary, runs),
+        "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(),
+        "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents"})
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -362,92 +258,45 @@ def merge_reports(reports: list[dict]) -> dict:
     order = list(STUDIES[first["study"]])
     variants = sorted({v for r in reports for v in r["variants"]}, key=order.index)
     runs.sort(key=lambda r: (r["seed"], variants.index(r["variant"])))
+    summary = summarize(runs, variants[0])  # recomputed from all runs: never the first report's
     return first | {"runs": runs, "variants": variants, "seeds": sorted({r["seed"] for r in runs}),
+                    "summary": summary, "verdict": verdict(first["study"], summary, runs),
                     "seconds": round(sum(r["seconds"] for r in reports), 1),
                     "merged_reports": sum(r.get("merged_reports", 1) for r in reports)}
 
 
-# Quantities logged over training (run["history"]) and plotted, one panel each.
-DIAGNOSTIC_PANELS = {
-    "orthogonality_error": "orthogonality error |cos(x, added update)|",
-    "norm_growth": "residual norm drift (last out / first in)",
-    "diversity_after_ffn": "angular diversity 1-|mean u|^2 (last block)",
-    "overflow_fraction": "fp16 overflow / non-finite fraction",
-    "antipolar_fraction": "anti-polar pairs (cos < -0.9)",
-    "cos_mean": "pairwise cosine mean",
-    "cos_std": "pairwise cosine sd",
-    "kmeans_clusters": "spherical k-means clusters (>= 5%)",
-    "spectrum_entropy": "cosine-spectrum entropy",
-}
 
 
-def write_plots(report: dict, folder: str) -> dict:
-    """Validation loss and diagnostics over training (seed bands) as PNGs in folder; title -> file name."""
-    from . import plots
+def write_study_page(reports: list[tuple[str, dict]], page: Path) -> Path:
+    """The results page from (path, report) pairs: reports of one study / arch / branches are merged
+    by seed, and each merged report (JSON and plots) is kept in results/studies/<name>/ next to the
+    page, so the page regenerates from there alone."""
+    from .reports import OVERVIEW_HEADER, overview_row, study_markdown, study_plots
 
-    os.makedirs(folder, exist_ok=True)
-    label = f"{report['study']} ({report['scale']}, {report['arch']}, branches {'+'.join(report['branches'])})"
-    files = {"validation loss": f"{report['study']}_val_loss.png", "diagnostics": f"{report['study']}_diagnostics.png"}
-    # paired with the baseline of the same seed at the same step: the seed-to-seed spread cancels
-    baseline = {(r["seed"], h["step"]): h["val_loss"] for r in report["runs"] if r["variant"] == report["variants"][0]
-                for h in r["history"]}
-    runs = [r | {"history": [h | {"delta": h["val_loss"] - baseline[(r["seed"], h["step"])]} for h in r["history"]
-                             if (r["seed"], h["step"]) in baseline]} for r in report["runs"]]
-    plots.study_curves(runs, {"val_loss": "validation loss (nats/token)",
-                              "delta": f"validation loss - {report['variants'][0]} (same seed)"},
-                       os.path.join(folder, files["validation loss"]), f"{label}: seed mean, min..max band")
-    plots.study_curves(report["runs"], DIAGNOSTIC_PANELS, os.path.join(folder, files["diagnostics"]),
-                       f"{label}: diagnostics over training", log_keys=("orthogonality_error",))
-    return files
-
-
-OVERVIEW_HEADER = ["| study | arch | branches | best variant (mean final val loss) | delta vs baseline | p | "
-                   "hypothesis | wall time |", "|---|---|---|---|---:|---:|---|---:|"]
-
-
-def overview_row(report: dict) -> str:
-    """One line of the results page's overview table for one study report."""
-    summary = summarize(report["runs"], report["variants"][0])
-    best = min(summary, key=lambda r: r["final_val_loss_mean"])
-    outcome, _ = verdict_outcome(report["study"], summary, report["runs"])
-    p = "" if math.isnan(best["p_value"]) else f"{best['p_value']:.3f}"
-    return (f"| {report['study']} | {report['arch']} | {'+'.join(report['branches'])} | {best['variant']} "
-            f"({best['final_val_loss_mean']:.4f}) | {best['delta_mean']:+.4f} | {p} | {outcome} | "
-            f"{report['seconds'] / 60:.1f} min |")
-
-
-def study_markdown(report: dict) -> str:
-    s = report["settings"]
-    where = f" ({report['threads']} CPU threads, device {report.get('device', 'cpu')})" if "threads" in report else ""
-    lines = [f"## Study `{report['study']}` ({report['scale']} scale, {report['arch']}, branches {report['branches']})", "",
-             f"{s['n_layer']} layers, {s['n_head']} heads, d={s['d_model']}, {s['max_steps']} steps of "
-             f"{s['batch_size']} x {s['seq_len']} tokens (AdamW, lr {s['learning_rate']:g}, cosine), seeds "
-             f"{report['seeds']}; {report['train_windows']} training and {report['val_windows']} validation windows of "
-             f"{report.get('data', 'Austen: calibration novels / held-out novels')}; wall time "
-             f"{report['seconds']:.0f} s{where}" + (f", over {report['merged_reports']} runs of the command merged by seed"
-                                                       if report.get("merged_reports", 1) > 1 else "") + ".", "",
-             "| variant | final val loss (mean +- sd) | delta vs baseline | p (paired permutation) |",
-             "|---|---:|---:|---:|"]
-    summary = summarize(report["runs"], report["variants"][0])  # recomputed: the page follows the runs
-    for r in summary:
-        p = "" if math.isnan(r["p_value"]) else f"{r['p_value']:.3f}"
-        lines.append(f"| {r['variant']} | {r['final_val_loss_mean']:.4f} +- {r['final_val_loss_sd']:.4f} | "
-                     f"{r['delta_mean']:+.4f} | {p} |")
-    last = {}
-    for run in report["runs"]:
-        last.setdefault(run["variant"], []).append(run["history"][-1])
-    lines += ["", "Diagnostics at the last step (mean over seeds):", "",
-              "| variant | orth. error | norm growth | diversity | fp16 overflow | anti-polar | k-means clusters | grad-norm var |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for variant, hist in last.items():
-        var = [r["grad_norm_variance"] for r in report["runs"] if r["variant"] == variant and r["grad_norm_variance"] is not None]
-        def mean(key, hist=hist):
-            return statistics.fmean(h[key] for h in hist)
-
-        lines.append(f"| {variant} | {mean('orthogonality_error'):.2e} | {mean('norm_growth'):.3f} | "
-                     f"{mean('diversity_after_ffn'):.3f} | {mean('overflow_fraction'):.2e} | {mean('antipolar_fraction'):.3f} | "
-                     f"{mean('kmeans_clusters'):.1f} | {statistics.fmean(var) if var else float('nan'):.3g} |")
-    plots = report.get("plots", {"validation loss": f"{report['study']}_val_loss.png"})
-    lines += ["", f"**Verdict.** {verdict(report['study'], summary, report['runs'])}", ""]
-    lines += [f"![{title}]({path})" for title, path in plots.items()]
-    return "\n".join(lines) + "\n"
+    text = ["# From-scratch studies: results", "",
+            "Generated by `hf-tangent study-report` from the report.json files of `hf-tangent study` runs; every",
+            "number and plot comes from those files, kept next to this page in `results/studies/`. To regenerate:",
+            f"`hf-tangent study-report {(page.parent / 'results' / 'studies').as_posix()}/*/report.json --output {page}`.", "",
+            "Overview. The hypothesis \"held\": the means point its way and every paired p <= 0.05; \"held in the",
+            "mean only\": the means do and every seed agrees, too few seeds for p <= 0.05; \"inconclusive\": the means",
+            "do but a seed disagrees; otherwise \"did not hold\" ([studies-guide.md](studies-guide.md)).", "",
+            *OVERVIEW_HEADER]
+    groups: dict[str, list] = {}
+    for path, report in reports:
+        for key in ("study", "scale", "arch", "branches", "runs", "summary", "settings"):
+            if key not in report:
+                raise ValueError(f"{path} is not a `hf-tangent study` report (no {key!r}).")
+        groups.setdefault(f"{report['study']}-{report['arch']}-{'+'.join(report['branches'])}", []).append((path, report))
+    sections = []
+    for name, members in groups.items():
+        report = merge_reports([r for _, r in members])
+        folder = page.parent / "results" / "studies" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        report.pop("plots", None)
+        (folder / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+        files = study_plots(report, str(folder))
+        rel = folder.relative_to(page.parent).as_posix()
+        text.append(overview_row(report))
+        sections.append(study_markdown(report | {"plots": {title: f"{rel}/{file}" for title, file in files.items()}}))
+    page.write_text("\n".join([*text, "", *sections]), encoding="utf-8")
+    return page

@@ -6,8 +6,7 @@ same code under `accelerate launch` or `torchrun`.
 
 from __future__ import annotations
 
-import itertools
-import math
+import dataclasses
 import os
 import re
 import statistics
@@ -57,41 +56,75 @@ def gate_summary(gates: dict[int, float]) -> dict:
             "argmin": min(gates, key=gates.get), "argmax": max(gates, key=gates.get)}
 
 
-def training_arguments(output_dir: str, *, max_steps: int, learning_rate: float, batch_size: int,
-                       grad_accum: int = 1, seed: int = 0, save_steps: int = 0, logging_steps: int = 1,
-                       bf16: bool = False, gradient_checkpointing: bool = False, device: str = "cpu",
-                       report_to: str | list[str] = "none", lr_scheduler: str = "constant",
-                       warmup_steps: int = 0, weight_decay: float = 0.0):
-    """TrainingArguments for a fixed number of optimizer steps with a reproducible data order."""
+def _transformers_callback():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+def _transformers_training_arguments():
     from transformers import TrainingArguments
 
-    optional = {}
-    if gradient_checkpointing:  # only when used: the argument is being renamed in transformers 5
-        optional = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        optional |= {"ddp_backend": "gloo" if device == "cpu" else None, "ddp_find_unused_parameters": False}
-    return TrainingArguments(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        learning_rate=learning_rate,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=grad_accum,
-        lr_scheduler_type=lr_scheduler,
-        warmup_steps=warmup_steps,
-        weight_decay=weight_decay,
-        seed=seed,
-        data_seed=seed,
-        logging_steps=logging_steps,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        save_total_limit=2,
-        bf16=bf16,
-        use_cpu=device == "cpu",
-        report_to=report_to,
-        dataloader_drop_last=True,
-        remove_unused_columns=False,
-        **optional,
-    )
+    return TrainingArguments
+
+
+@dataclasses.dataclass
+class TangentTrainingArguments(_transformers_training_arguments()):
+    """`transformers.TrainingArguments` with hf_tangent's defaults: a fixed number of optimizer steps,
+    a loss logged every step, a reproducible data order, no checkpoints unless `save_steps` > 0, no
+    logging backend, and gloo for multi-process runs on CPU. Every other field is the Trainer's own
+    (deepspeed, fsdp, bf16, gradient_checkpointing, report_to, ...).
+
+    `resume_from_checkpoint`: "last" resumes from the newest complete checkpoint in output_dir."""
+
+    output_dir: str = dataclasses.field(default="runs/latest", metadata={"help": "Run folder: report, plots, checkpoints."})
+    max_steps: int = dataclasses.field(default=50, metadata={"help": "Optimizer steps."})
+    learning_rate: float = dataclasses.field(default=1e-2, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = dataclasses.field(default="constant", metadata={"help": "Trainer scheduler name."})
+    logging_steps: float = dataclasses.field(default=1, metadata={"help": "Log the loss every N steps."})
+    save_steps: float = dataclasses.field(default=0, metadata={"help": "Checkpoint every N steps (0: no checkpoints)."})
+    save_total_limit: int | None = dataclasses.field(default=2, metadata={"help": "Checkpoints kept."})
+    report_to: str | None = dataclasses.field(default="none", metadata={"help": "Logging backend: none, tensorboard, wandb."})
+    dataloader_drop_last: bool = dataclasses.field(default=True, metadata={"help": "Full batches only."})
+    remove_unused_columns: bool = dataclasses.field(default=False, metadata={"help": "Keep the packed LM columns."})
+
+    def __post_init__(self):
+        if self.save_steps and self.save_steps > 0:
+            self.save_strategy = "steps"
+        else:
+            self.save_strategy, self.save_steps = "no", 500
+        if self.gradient_checkpointing and self.gradient_checkpointing_kwargs is None:
+            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None and not _has_accelerator():
+            self.ddp_backend = "gloo"
+            self.ddp_find_unused_parameters = False
+        if self.data_seed is None:
+            self.data_seed = self.seed
+        super().__post_init__()
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+def training_arguments(output_dir: str, *, max_steps: int, learning_rate: float, batch_size: int,
+                       grad_accum: int = 1, seed: int = 0, save_steps: int = 0, bf16: bool = False,
+                       gradient_checkpointing: bool = False, device: str = "cpu", lr_scheduler: str = "constant",
+                       warmup_steps: int = 0, weight_decay: float = 0.0, **fields) -> TangentTrainingArguments:
+    """TangentTrainingArguments from the few fields the recipes vary (others pass through)."""
+    return TangentTrainingArguments(
+        output_dir=output_dir, max_steps=max_steps, learning_rate=learning_rate,
+        per_device_train_batch_size=batch_size, gradient_accumulation_steps=grad_accum, seed=seed,
+        save_steps=save_steps, bf16=bf16, gradient_checkpointing=gradient_checkpointing, use_cpu=device == "cpu",
+        lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps, weight_decay=weight_decay, **fields)
+
+
+def training_summary(args) -> dict:
+    """The Trainer settings a report records (the keys the kept reports use)."""
+    scheduler = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    return {"max_steps": args.max_steps, "learning_rate": args.learning_rate, "batch_size": args.per_device_train_batch_size,
+            "grad_accum": args.gradient_accumulation_steps, "lr_scheduler": str(scheduler), "bf16": args.bf16,
+            "gradient_checkpointing": args.gradient_checkpointing}
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
@@ -130,22 +163,33 @@ def check_sharding(model) -> None:
         )
 
 
-def train(model, train_dataset, args, *, resume: bool = False, callbacks=None, trainer_class=None):
-    """Run the HF Trainer; `resume` continues from the newest complete checkpoint in
-    args.output_dir and is an error when there is none."""
+def resolve_checkpoint(args) -> str | None:
+    """The checkpoint `args.resume_from_checkpoint` names: None, "last" (the newest complete one in
+    args.output_dir; an error when there is none) or a checkpoint folder (checked)."""
+    wanted = getattr(args, "resume_from_checkpoint", None)
+    if not wanted:
+        return None
+    if wanted in ("last", "true", "True"):
+        checkpoint = last_complete_checkpoint(args.output_dir)
+        if checkpoint is None:
+            raise ValueError(f"--resume_from_checkpoint last: no complete checkpoint (checkpoint-N/ with "
+                             f"trainer_state.json) in {args.output_dir}; run without it to train from the start.")
+        return checkpoint
+    if not os.path.isfile(os.path.join(wanted, "trainer_state.json")):
+        raise ValueError(f"--resume_from_checkpoint {wanted}: not a complete Trainer checkpoint (no trainer_state.json).")
+    return wanted
+
+
+def train(model, train_dataset, args, *, callbacks=None, trainer_class=None, **trainer_kwargs):
+    """Run the HF Trainer (resuming where args.resume_from_checkpoint says, see resolve_checkpoint)."""
     from transformers import Trainer, default_data_collator
 
     check_sharding(model)
-    checkpoint = None
-    if resume:
-        checkpoint = last_complete_checkpoint(args.output_dir)
-        if checkpoint is None:
-            raise ValueError(f"--resume: no complete checkpoint (checkpoint-N/ with trainer_state.json) in "
-                             f"{args.output_dir}; run without --resume to train from the start.")
+    checkpoint = resolve_checkpoint(args)
     if getattr(args, "gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # frozen embeddings + checkpointing (peft #742)
     trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=train_dataset,
-                                         data_collator=default_data_collator, callbacks=callbacks)
+                                         data_collator=default_data_collator, callbacks=callbacks, **trainer_kwargs)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
 
@@ -154,69 +198,51 @@ def loss_curve(trainer) -> list[tuple[int, float]]:
     return [(row["step"], row["loss"]) for row in trainer.state.log_history if "loss" in row]
 
 
-def paired_permutation_test(deltas: list[float]) -> float:
-    """Two-sided p-value of mean(deltas) != 0 by exact sign flips (paired seeds); 1.0 for n < 1."""
-    n = len(deltas)
-    if n == 0:
-        return 1.0
-    observed = abs(sum(deltas)) / n
-    count = total = 0
-    for signs in itertools.product((1, -1), repeat=n):
-        total += 1
-        count += abs(sum(s * d for s, d in zip(signs, deltas, strict=True))) / n >= observed - 1e-15
-    return count / total
+class ObserveCallback(_transformers_callback()):
+    """Calls `observe(model) -> dict` before the first step, every `every` steps and at the last
+    step (on the main process); keeps the rows in `history`, and logs them through the trainer
+    (so every `report_to` backend gets them) once attached with `callback.attach(trainer)`."""
 
+    def __init__(self, observe, every: int, *, log_prefix: str | None = None):
+        self.observe, self.every, self.log_prefix = observe, every, log_prefix
+        self.history: list[dict] = []
+        self.trainer = None
 
-def summarize_finetune(rows: list[dict], baseline: str = "unpatched") -> list[dict]:
-    """Per variant: mean held-out NLL/perplexity over seeds and the paired delta vs the baseline."""
-    by_seed = {(r["variant"], r["seed"]): r for r in rows}
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    summary = []
-    for variant in variants:
-        seeds = [s for (v, s) in by_seed if v == variant]
-        nlls = [by_seed[(variant, s)]["nll"] for s in seeds]
-        deltas = [by_seed[(variant, s)]["nll"] - by_seed[(baseline, s)]["nll"] for s in seeds if (baseline, s) in by_seed]
-        summary.append({
-            "variant": variant,
-            "seeds": len(seeds),
-            "nll_mean": statistics.fmean(nlls),
-            "nll_std": statistics.stdev(nlls) if len(nlls) > 1 else 0.0,
-            "perplexity_mean": statistics.fmean(math.exp(n) for n in nlls),
-            "delta_nll_mean": statistics.fmean(deltas) if deltas else float("nan"),
-            "delta_perplexity_mean": statistics.fmean(
-                math.exp(by_seed[(variant, s)]["nll"]) - math.exp(by_seed[(baseline, s)]["nll"]) for s in seeds
-            ),
-            "p_value": paired_permutation_test(deltas) if variant != baseline else float("nan"),
-        })
-    return summary
+    def attach(self, trainer):
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def _record(self, state, model):
+        if not state.is_world_process_zero:
+            return
+        row = self.observe(model)
+        self.history.append({"step": state.global_step, **row})
+        if self.trainer is not None and self.log_prefix is not None:
+            self.trainer.log({f"{self.log_prefix}{key}": value for key, value in row.items()})
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0 and self.log_prefix is None:
+            self._record(state, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            self._record(state, model)
 
 
 def diagnostics_callback(windows: torch.Tensor, *, every_n_steps: int = 50, layers: list[int] | None = None,
                          quantities=("rho", "orthogonality_error", "norm_x", "ffn_angle", "diversity_after_ffn"),
-                         batch_size: int = 1):
-    """A TrainerCallback that runs the diagnostics on fixed `windows` every N steps and logs the
-    per-layer means through `trainer.log` (so every `report_to` backend gets them). Attach with
-    `callback.attach(trainer)`."""
-    from transformers import TrainerCallback
-
+                         batch_size: int = 1) -> ObserveCallback:
+    """An ObserveCallback that runs the diagnostics on fixed `windows` every N steps and logs the
+    per-layer means as diagnostics/layer_<i>/<quantity>. Attach with `callback.attach(trainer)`."""
     from .diagnostics import QUANTITIES, diagnose
 
     unknown = [q for q in quantities if q not in QUANTITIES]
     if unknown:
         raise ValueError(f"unknown diagnostics {unknown}; accepted: {', '.join(QUANTITIES)}.")
 
-    class DiagnosticsCallback(TrainerCallback):
-        trainer = None
+    def observe(model):
+        records = diagnose(model, windows, layers=layers, batch_size=batch_size)
+        return {f"layer_{r['layer']}/{q}": r[q]["mean"] for r in records for q in quantities}
 
-        def attach(self, trainer):
-            self.trainer = trainer
-            trainer.add_callback(self)
-            return self
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            if self.trainer is None or state.global_step % every_n_steps or not state.is_world_process_zero:
-                return
-            records = diagnose(model, windows, layers=layers, batch_size=batch_size)
-            self.trainer.log({f"diagnostics/layer_{r['layer']}/{q}": r[q]["mean"] for r in records for q in quantities})
-
-    return DiagnosticsCallback()
+    return ObserveCallback(observe, every_n_steps, log_prefix="diagnostics/")

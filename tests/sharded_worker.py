@@ -30,6 +30,9 @@ CONFIG = ht.TangentConfig(update="projected", gates=True)
 SCENARIOS = [(engine, arch, mode) for engine in ("fsdp1", "fsdp2") for arch in ("llama", "gpt2")
              for mode in ("gates", "full")] + [("ddp", "llama", "gates"), ("fsdp2", "llama", "gates-bf16"),
                                                ("fsdp1", "llama", "gates-mixed-precision")]
+# DeepSpeed ZeRO-3 (through its own API: accelerate runs no DeepSpeed on CPU), run on request only
+ZERO3_SCENARIOS = [("zero3", "llama", "gates"), ("zero3", "llama", "full"), ("zero3", "gpt2", "full"),
+                   ("zero3", "llama", "gates-bf16")]
 
 
 def model_for(arch: str, mode: str):
@@ -54,6 +57,8 @@ def layer_class(model):
 def wrap(model, engine: str, mode: str):
     if engine == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    if engine == "zero3":
+        return deepspeed_engine(model)
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -69,16 +74,36 @@ def wrap(model, engine: str, mode: str):
     return model
 
 
-def train(model, shard: slice | None) -> list[float]:
+ZERO3 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+         "gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False,
+         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # tiny params partitioned too
+
+
+def deepspeed_engine(model):
+    import deepspeed
+
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
+                                      config=ZERO3)
+    return engine
+
+
+def train(model, shard: slice | None) -> list[float]:
+    engine = model if type(model).__name__ == "DeepSpeedEngine" else None
+    if engine is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     losses = []
     for ids in batches():
         ids = ids if shard is None else ids[shard]
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
         value = loss.detach().float()
         if shard is not None:
             dist.all_reduce(value)
@@ -96,7 +121,7 @@ def eval_logits(model) -> torch.Tensor:
 def refusals(wrapped, engine: str) -> dict[str, str]:
     """What patching after wrapping says, per way a user might try it."""
     targets = {"wrapper": wrapped}
-    if engine in ("ddp", "fsdp1"):
+    if engine in ("ddp", "fsdp1", "zero3"):
         targets["module"] = wrapped.module
     out = {}
     for name, target in targets.items():
@@ -132,7 +157,8 @@ def run(engine: str, arch: str, mode: str, out_dir: Path, rank: int, world: int)
     if mode == "gates" and engine != "fsdp1":  # unpatch through the wrapper: the unpatched forward again
         ht.unpatch(wrapped)
         plain = make_tiny(arch, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if arch == "gpt2" else {}))
-        result["unpatch_max_diff"] = (eval_logits(wrapped.eval()) - eval_logits(plain.eval())).abs().max().item()
+        wrapped.eval()  # (a DeepSpeed engine's eval() returns None)
+        result["unpatch_max_diff"] = (eval_logits(wrapped) - eval_logits(plain.eval())).abs().max().item()
         result["unpatched_config"] = ht.get_config(wrapped) is None
     result["seconds"] = round(time.time() - start, 2)
     return result
@@ -144,13 +170,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for engine, arch, mode in SCENARIOS:
-        if only and f"{engine}-{arch}-{mode}" not in only:
+    for engine, arch, mode in SCENARIOS + ZERO3_SCENARIOS:
+        if (only is None and engine == "zero3") or (only and f"{engine}-{arch}-{mode}" not in only):
             continue
         try:
             results.append(run(engine, arch, mode, out_dir, rank, world))
         except Exception as err:  # recorded per scenario; the test names it
-            results.append({"engine": engine, "arch": arch, "mode": mode, "error": f"{type(err).__name__}: {err}"})
+            import traceback
+
+            results.append({"engine": engine, "arch": arch, "mode": mode, "error": f"{type(err).__name__}: {err}",
+                            "traceback": traceback.format_exc()[-1500:]})
         dist.barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     dist.destroy_process_group()

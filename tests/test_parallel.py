@@ -171,7 +171,7 @@ def test_sweep_greedy_and_recommendation(ids):
     first = greedy[0]
     single = [parallel._with_layers(model, [i], calibration, 1) for i in range(3)]
     assert single[first["layer"]] == min(single)  # greedy step 1 is the cheapest single conversion
-    sweep = parallel.parallel_sweep(model, heldout, scores=scores, random_seeds=(0, 1), greedy=greedy)
+    sweep = parallel.sweep_losses(model, heldout, scores=scores, random_seeds=(0, 1), greedy=greedy)
     assert sweep["ks"] == [0, 1, 2, 3]
     assert all(sweep["curves"][s][0] == 0.0 for s in ("low_c", "high_c", "random", "greedy"))
     full = [r for r in sweep["rows"] if r["k"] == 3]
@@ -181,7 +181,7 @@ def test_sweep_greedy_and_recommendation(ids):
     rec = parallel.recommend(model, calibration, heldout, budget=-1.0, order=[0, 1, 2])
     assert rec["k"] == 0 and rec["heldout_increase"] == 0.0
     with pytest.raises(ValueError, match=r"k values \[5\] out of range"):
-        parallel.parallel_sweep(model, heldout, scores=scores, ks=[5])
+        parallel.sweep_losses(model, heldout, scores=scores, ks=[5])
     with pytest.raises(ValueError, match="no calibration windows"):
         parallel.sensitivity(model, ids[:0])
 
@@ -195,12 +195,17 @@ def test_speed_estimate_formula(ids):
     assert parallel.estimated_speedup(times, [0, 1]) == pytest.approx(times["t_forward"] / (times["t_forward"] - saved))
 
 
-def test_sensitivity_and_sweep_cli(tiny_lm_folder, austen_dir, tmp_path):
-    common = ["--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"), "--calibration-files",
-              str(austen_dir / "prideprejudice.txt"), "--seq-len", "32", "--max-windows", "2"]
-    assert cli.main(["sensitivity", *common, "--output-dir", str(tmp_path / "s")]) == 0
+def test_sensitivity_and_sweep_cli(tiny_lm_folder, austen_dir, tmp_path, capsys):
+    calibration = ["--model", str(tiny_lm_folder), "--calibration-files", str(austen_dir / "prideprejudice.txt"),
+                   "--seq-len", "32", "--max-windows", "2"]
+    assert cli.main(["sensitivity", *calibration, "--output-dir", str(tmp_path / "s")]) == 0
     report = json.loads((tmp_path / "s" / "report.json").read_text())
     assert len(report["layers"]) == 2 and all(r["c"] >= 0 for r in report["layers"])
+    assert report["text"] == str(austen_dir / "prideprejudice.txt")
+    with pytest.raises(SystemExit):  # sensitivity evaluates nothing: it has no evaluation-text option to ignore
+        cli.main(["sensitivity", *calibration, "--text-files", str(austen_dir / "emma.txt")])
+    assert "unrecognized arguments: --text-files" in capsys.readouterr().err
+    common = [*calibration, "--text-files", str(austen_dir / "emma.txt")]
     assert cli.main(["parallel-sweep", *common, "--calibration-windows", "1", "--budget", "1000",
                      "--output-dir", str(tmp_path / "p")]) == 0
     report = json.loads((tmp_path / "p" / "report.json").read_text())

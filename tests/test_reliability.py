@@ -358,7 +358,7 @@ def test_old_scalar_gates_still_load(tmp_path, ids):
     model.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     for key in [k for k in weights if k.endswith("tangent_patch.gate")]:
-        weights[key] = weights[key].reshape(())  # the 0-dim format of releases before 0.3
+        weights[key] = weights[key].reshape(())  # the 0-dim format of releases before 0.2
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     reloaded = ht.from_pretrained(tmp_path).eval()
     assert [tuple(c.gate.shape) for c in ht.tangent_layers(reloaded)] == [(1,), (1,)]
@@ -380,6 +380,10 @@ def test_resume_uses_the_newest_complete_checkpoint(tmp_path):
 
     class Args:
         output_dir = str(empty)
+        resume_from_checkpoint = "last"
 
-    with pytest.raises(ValueError, match="--resume: no complete checkpoint"):
-        train(make_tiny("llama"), None, Args(), resume=True)
+    with pytest.raises(ValueError, match="--resume_from_checkpoint last: no complete checkpoint"):
+        train(make_tiny("llama"), None, Args())
+    Args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")
+    with pytest.raises(ValueError, match="checkpoint-4: not a complete Trainer checkpoint"):
+        train(make_tiny("llama"), None, Args())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hf_tangent import cli, studies
+from hf_tangent import cli, studies, verdicts
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +87,24 @@ def test_study_recipe_budget_and_own_data(tmp_path):
     assert report["study"] == "retraction" and report["branches"] == ["ffn"] and report["seeds"] == [3]
     assert report["settings"]["max_steps"] == 4 and report["settings"]["seq_len"] == 16
     assert [h["step"] for h in report["runs"][0]["history"]] == [0, 2, 4]
-    assert "split by document" in report["data"] and files[0] in report["data"]
+    assert "(last 20% of documents)" in report["data"] and files[0] in report["data"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["study"], "name a study: one of tangential, retraction, noise"),
-    (["study", "noise", "--model", "gpt2"], "--model does not apply to `study`"),
-    (["study", "noise", "--seed", "1"], "use --seeds"),
+    (["study", "noise", "--model", "gpt2"], "unrecognized arguments: --model gpt2"),  # studies build their models
+    (["study", "noise", "--seed", "1"], "unrecognized arguments: --seed 1"),  # not an abbreviation of --seeds
     (["study", "noise", "--eval-every", "0"], "study setting eval_every=0 must be positive"),
     (["study", "noise", "--calibration-files", "a.txt"], "--calibration-files needs --text-files"),
 ])
 def test_bad_study_options(args, message, tmp_path, capsys):
-    assert cli.main([*args, "--output-dir", str(tmp_path)]) == 2
-    assert message in capsys.readouterr().err
+    try:
+        code = cli.main([*args, "--output-dir", str(tmp_path)])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.strip().splitlines()[-1].startswith("hf-tangent study: error: ")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -139,8 +144,8 @@ def test_retraction_verdict_follows_the_paired_statistics(seeds, best, flip, out
     if flip:
         losses[best][0] += 2.0
     runs = _runs(losses)
-    summary = studies.summarize(runs, "euclidean")
-    got, sentence = studies.verdict_outcome("retraction", summary, runs)
+    summary = verdicts.summarize(runs, "euclidean")
+    got, sentence = verdicts.verdict_outcome("retraction", summary, runs)
     assert got == outcome and f"Best mean final validation loss: {best}" in sentence
     if outcome == "held":
         assert f"p = {2 / 2**seeds:.3f}" in sentence and "vs euclidean -0.7000" in sentence and "vs retract p=inf -1.2000" in sentence
@@ -151,7 +156,9 @@ def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
     report, _ = smoke["noise"]
     parts = []
     for seed in (0, 1):  # the smoke report cut into one report per seed, as if run one seed at a time
-        part = dict(report, runs=[r for r in report["runs"] if r["seed"] == seed], seeds=[seed])
+        runs = [r for r in report["runs"] if r["seed"] == seed]
+        summary = verdicts.summarize(runs, "none")  # each part's own summary: 1 seed
+        part = dict(report, runs=runs, seeds=[seed], summary=summary, verdict=verdicts.verdict("noise", summary, runs))
         (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
         parts.append(str(tmp_path / f"seed{seed}.json"))
     assert cli.main(["study-report", *parts, "--output", str(tmp_path / "merged.md")]) == 0
@@ -162,6 +169,10 @@ def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
     assert "over 2 runs of the command merged by seed" in merged
     kept = json.loads((tmp_path / "results" / "studies" / "noise-gpt2-ffn" / "report.json").read_text())
     assert kept["seeds"] == [0, 1] and len(kept["runs"]) == len(report["runs"])
+    # the merged summary and verdict come from all runs, not from the first report (a bug that was)
+    assert all(row["seeds"] == 2 for row in kept["summary"])
+    assert json.dumps(kept["summary"]) == json.dumps(verdicts.summarize(kept["runs"], "none"))  # (nan != nan)
+    assert kept["verdict"] == verdicts.verdict("noise", kept["summary"], kept["runs"])
     capsys.readouterr()
     assert cli.main(["study-report", parts[0], parts[0], "--output", str(tmp_path / "x.md")]) == 2
     assert "'none' seed 0 is in more than one report" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +22,16 @@ from hf_tangent.evaluation import PERPLEXITY_METRIC, perplexity, strided_perplex
 from hf_tangent.models import load_tokenizer
 
 
-def calibrate(folder, out, austen_dir, *extra):
-    args = ["calibrate", "--model", str(folder), "--text-files", str(austen_dir / "emma.txt"),
-            "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
-            "--max-windows", "4", "--train-windows", "8", "--batch-size", "8", "--max-steps", "6",
-            "--learning-rate", "0.02", "--output-dir", str(out), *extra]
-    assert cli.main(args) == 0
+def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, **training_fields):
+    """ht.calibrate_gates on the tiny model, its report saved to `out` and read back from there."""
+    fields = dict(output_dir=str(out), max_steps=6, learning_rate=0.02, per_device_train_batch_size=8,
+                  per_device_eval_batch_size=8, use_cpu=True) | training_fields
+    text = ht.TextSource(text_files=(str(austen_dir / "emma.txt"),),
+                         calibration_files=(str(austen_dir / "prideprejudice.txt"),))
+    report = ht.calibrate_gates(str(folder), text=text, seq_len=32, max_windows=4, train_windows=8,
+                                compare_rules=list(compare), training_args=ht.TangentTrainingArguments(**fields),
+                                save_model=out / "model" if save_model else None, progress=False)
+    report.save(out)
     return json.loads((out / "report.json").read_text())
 
 
@@ -38,7 +43,7 @@ def calibrated(tiny_lm_folder, tmp_path_factory):
 
     austen = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else austen_dir()
     out = tmp_path_factory.mktemp("calibrated")
-    return calibrate(tiny_lm_folder, out, austen, "--compare-updates", "projected"), out
+    return calibrate(tiny_lm_folder, out, austen, compare=["projected"]), out
 
 
 def test_gate_calibration_moves_gates_and_lowers_calibration_loss(calibrated):
@@ -91,27 +96,32 @@ def test_remote_code_loads_without_hf_tangent_in_a_fresh_process(calibrated, tmp
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(tiny_lm_folder, austen_dir, tmp_path):
-    full = calibrate(tiny_lm_folder, tmp_path / "full", austen_dir, "--save-steps", "3", "--batch-size", "2")
+    full = calibrate(tiny_lm_folder, tmp_path / "full", austen_dir, save_steps=3, per_device_train_batch_size=2)
     # an interrupted run: its last checkpoint is at step 3 (what a kill after step 5 leaves behind)
-    calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, "--save-steps", "3", "--batch-size", "2")
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "checkpoint-6")
-    resumed = calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, "--save-steps", "3", "--batch-size", "2",
-                        "--resume")
+    calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, save_steps=3, per_device_train_batch_size=2)
+    shutil.rmtree(tmp_path / "cut" / "checkpoint-6")
+    (tmp_path / "cut" / "checkpoint-9").mkdir()  # and a kill while the next one was being written: empty
+    with pytest.warns(UserWarning, match=r"skipping incomplete checkpoints \['checkpoint-9'\]"):
+        resumed = calibrate(tiny_lm_folder, tmp_path / "cut", austen_dir, save_steps=3, per_device_train_batch_size=2,
+                            resume_from_checkpoint="last")
     assert resumed["gates"] == full["gates"]
     # the checkpoint carries the log history: the resumed run reports the whole curve, equal to the full run's
     assert resumed["loss_curve"] == full["loss_curve"] and len(full["loss_curve"]) == 6
 
 
 def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder, austen_dir, tmp_path):
+    from test_sharded import free_port
+
     common = ["calibrate", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
               "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
               "--max-windows", "2", "--train-windows", "8", "--max-steps", "4", "--learning-rate", "0.02",
-              "--no-save-model"]
-    single = subprocess.run([sys.executable, "-m", "hf_tangent.cli", *common, "--batch-size", "4",
+              "--no-save-model", "--use-cpu"]
+    single = subprocess.run([sys.executable, "-m", "hf_tangent.cli", *common, "--per-device-train-batch-size", "4",
                              "--output-dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     double = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", "29517", "-m", "hf_tangent.cli", *common, "--batch-size", "2",
+                             "--master_port", str(free_port()), "-m", "hf_tangent.cli", *common,
+                             "--per-device-train-batch-size", "2",
                              "--output-dir", str(tmp_path / "two")],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert double.returncode == 0, double.stderr[-3000:]
@@ -126,7 +136,7 @@ def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--recipe", "RECIPE"], "recipe key 'max_step' does not exist for `hf-tangent calibrate`"),
+        (["--recipe", "RECIPE"], "key 'max_step' is not an option of `calibrate`"),
         (["--dataset", "no-such/dataset-xyz"], "could not load dataset 'no-such/dataset-xyz'"),
         (["--seq-len", "60", "--calibration-files", "SHORT"], "fewer than one window of seq_len=60"),
         (["--calibration-files", "EMPTY"], "hold no text"),
@@ -147,15 +157,17 @@ def test_bad_input_fails_before_training(tiny_lm_folder, austen_dir, tmp_path, c
             args += ["--calibration-files", str(austen_dir / "prideprejudice.txt")]
     try:
         code = cli.main([*args, *extra])
-        err = capsys.readouterr().err
     except SystemExit as exit_:
-        code, err = exit_.code, str(exit_)
-    assert code not in (0, None) and message in err
-    assert not (tmp_path / "o" / "checkpoints").exists()
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.strip().splitlines()[-1].startswith("hf-tangent calibrate: error: ")
+    assert not list((tmp_path / "o").glob("checkpoint-*"))
 
 
 def test_every_shipped_recipe_parses_and_the_command_line_wins():
-    recipes = sorted(cli.RECIPES_DIR.glob("*.yaml"))
+    from importlib import resources
+
+    recipes = sorted(Path(str(p)) for p in resources.files("hf_tangent.recipes").iterdir() if p.name.endswith(".yaml"))
     assert {p.stem for p in recipes} >= {"calibrate", "finetune_full", "finetune_lora", "offline_default"}
     for path in recipes:
         import yaml
@@ -167,15 +179,24 @@ def test_every_shipped_recipe_parses_and_the_command_line_wins():
     assert args.max_steps == 3 and args.seq_len == 256 and len(args.compare_updates) == 9
 
 
+def run_finetune(folder, austen_dir, out, *, seeds, method="lora", rules=("projected",), save_models=False, lr=0.01,
+                 steps=3):
+    from hf_tangent.experiments.finetune import FinetuneTrainingArguments, LoraSettings
+
+    text = ht.TextSource(text_files=(str(austen_dir / "emma.txt"),),
+                         calibration_files=(str(austen_dir / "prideprejudice.txt"),))
+    args = FinetuneTrainingArguments(output_dir=str(out), max_steps=steps, learning_rate=lr, use_cpu=True,
+                                     per_device_train_batch_size=4, per_device_eval_batch_size=4)
+    report = ht.finetune(str(folder), text=text, rules=list(rules), seeds=list(seeds), method=method,
+                         lora=LoraSettings(targets=("q_proj", "down_proj")), seq_len=32, max_windows=2,
+                         train_windows=8, training_args=args, save_models=save_models)
+    report.save(out)
+    return json.loads((out / "report.json").read_text())
+
+
 def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, austen_dir, tmp_path):
     out = tmp_path / "ft"
-    args = ["finetune", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
-            "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32", "--max-windows", "2",
-            "--train-windows", "8", "--batch-size", "4", "--max-steps", "3", "--updates", "projected",
-            "--seeds", "0", "1", "--method", "lora", "--lora-targets", "q_proj", "down_proj",
-            "--learning-rate", "0.01", "--output-dir", str(out)]
-    assert cli.main(args) == 0
-    report = json.loads((out / "report.json").read_text())
+    report = run_finetune(tiny_lm_folder, austen_dir, out, seeds=[0, 1])
     runs = {(r["variant"], r["seed"]): r for r in report["runs"]}
     assert set(runs) == {("unpatched", 0), ("unpatched", 1), ("projected", 0), ("projected", 1)}
     assert all(len(r["loss_curve"]) == 3 for r in runs.values())
@@ -185,18 +206,17 @@ def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, aust
     assert summary["projected"]["p_value"] in (0.5, 1.0)  # exact sign flips with 2 seeds
     assert (out / "loss_curves.png").is_file() and "paired permutation" in (out / "report.md").read_text()
     # same seed, same data order: a rerun of one configuration reproduces it exactly
-    again = tmp_path / "again"
-    args[args.index("--seeds") + 1 : args.index("--seeds") + 3] = ["1"]
-    args[args.index("--output-dir") + 1] = str(again)
-    assert cli.main(args) == 0
-    rerun = {(r["variant"], r["seed"]): r for r in json.loads((again / "report.json").read_text())["runs"]}
+    again = run_finetune(tiny_lm_folder, austen_dir, tmp_path / "again", seeds=[1])
+    rerun = {(r["variant"], r["seed"]): r for r in again["runs"]}
     assert rerun[("projected", 1)]["nll"] == runs[("projected", 1)]["nll"]
 
 
 def test_paired_permutation_test_against_enumeration():
-    assert training.paired_permutation_test([1.0, 2.0, 3.0]) == 2 / 8  # only all-plus and all-minus reach 2.0
-    assert training.paired_permutation_test([1.0, -1.0]) == 1.0
-    assert training.paired_permutation_test([0.5, 0.4, 0.6, 0.5, 0.45]) == 2 / 32
+    from hf_tangent.stats import paired_permutation_test
+
+    assert paired_permutation_test([1.0, 2.0, 3.0]) == 2 / 8  # only all-plus and all-minus reach 2.0
+    assert paired_permutation_test([1.0, -1.0]) == 1.0
+    assert paired_permutation_test([0.5, 0.4, 0.6, 0.5, 0.45]) == 2 / 32
 
 
 def test_evaluate_metric_loads_offline_and_matches_perplexity(tiny_lm_folder, austen_dir):
@@ -273,8 +293,9 @@ def test_remote_code_ships_every_module_it_imports():
 
 
 def test_calibration_options_checkpointing_accumulation_bf16(tiny_lm_folder, austen_dir, tmp_path):
-    report = calibrate(tiny_lm_folder, tmp_path / "opts", austen_dir, "--gradient-checkpointing", "--grad-accum", "2",
-                       "--bf16", "--batch-size", "4", "--max-steps", "2", "--no-save-model")
+    report = calibrate(tiny_lm_folder, tmp_path / "opts", austen_dir, gradient_checkpointing=True,
+                       gradient_accumulation_steps=2, bf16=True, per_device_train_batch_size=4, max_steps=2,
+                       save_model=False)
     assert report["training"]["gradient_checkpointing"] and report["training"]["bf16"]
     assert report["training"]["grad_accum"] == 2 and len(report["loss_curve"]) == 2
     assert all(abs(g - 1.0) > 1e-4 for g in report["gates"].values())
@@ -282,11 +303,8 @@ def test_calibration_options_checkpointing_accumulation_bf16(tiny_lm_folder, aus
 
 def test_full_finetune_changes_weights_and_keeps_the_patch(tiny_lm_folder, austen_dir, tmp_path):
     out = tmp_path / "full"
-    assert cli.main(["finetune", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
-                     "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
-                     "--max-windows", "2", "--train-windows", "8", "--batch-size", "4", "--max-steps", "2",
-                     "--updates", "retract p=2 (cayley)", "--seeds", "0", "--method", "full", "--save-models",
-                     "--learning-rate", "1e-3", "--output-dir", str(out)]) == 0
+    run_finetune(tiny_lm_folder, austen_dir, out, seeds=[0], method="full", rules=["retract p=2 (cayley)"],
+                 save_models=True, lr=1e-3, steps=2)
     saved = out / "runs" / "retract_p=2-seed0" / "model"
     model = ht.from_pretrained(saved)
     assert ht.get_config(model).update == "retract" and ht.get_config(model).p == 2.0

@@ -1,0 +1,239 @@
+"""What the commands share: option dataclasses (HfArgumentParser turns their fields into options,
+help text included), YAML recipes, and the checks that run before any expensive work.
+
+A recipe is a YAML mapping whose keys are the command's option names (`seq_len` or `seq-len`);
+every value is checked against its option's type before anything runs, and options given on the
+command line win over the recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ..data import TextSource
+from ..models import DEFAULT_MODEL, OFFLINE_MODELS
+
+
+class CommandError(ValueError):
+    """A user error found by a command: printed as one `hf-tangent <command>: error: ...` line."""
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class ModelArguments:
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)}); default {DEFAULT_MODEL}"})
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})
+
+
+@dataclass
+class RunArguments:
+    """Where and how a command that trains nothing runs."""
+
+    output_dir: str = field(default="runs/latest", metadata={"help": "where report.json, report.md and plots go"})
+    device: str = field(default_factory=_default_device, metadata={"help": "cpu, cuda, cuda:1, ..."})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    batch_size: int = field(default=1, metadata={"help": "windows per forward pass"})
+
+
+@dataclass
+class EvalTextArguments:
+    text_files: list[str] | None = field(default=None, metadata={
+        "help": "local UTF-8 text files to evaluate on (default: the held-out Austen novels)"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "hub dataset to evaluate on: wikitext-2, wikitext-103, openwebtext-10k or a hub path"})
+    dataset_split: str = field(default="test", metadata={"help": "evaluation split of --dataset"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per window"})
+    max_windows: int = field(default=8, metadata={"help": "held-out windows evaluated"})
+
+
+@dataclass
+class CalibrationTextArguments:
+    calibration_files: list[str] | None = field(default=None, metadata={
+        "help": "calibration / training text files (default: the Austen calibration novels; with --text-files "
+                "only, the first 80%% of its documents)"})
+    train_windows: int = field(default=64, metadata={"help": "calibration / training windows of --seq-len tokens"})
+
+
+def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None) -> TextSource:
+    tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
+    return TextSource(text_files=tuple_or_none(text and text.text_files), dataset=text and text.dataset,
+                      dataset_split=text.dataset_split if text else "test",
+                      calibration_files=tuple_or_none(calibration and calibration.calibration_files))
+
+
+# ----------------------------------------------------------------------------- checks before work
+_MINIMUM = {"seq_len": 2, "max_windows": 1, "batch_size": 1, "train_windows": 1, "max_steps": 1,
+            "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
+            "bootstrap": 1, "calibration_windows": 1}
+
+
+def check_minimums(*groups) -> None:
+    for group in groups:
+        for name, minimum in _MINIMUM.items():
+            value = getattr(group, name, None)
+            if value is not None and value < minimum:
+                raise CommandError(f"--{name.replace('_', '-')} {value} is too small (at least {minimum}).")
+
+
+def check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise CommandError(f"--device {device!r} is not a device ({err}); accepted: cpu, cuda, cuda:N, mps.") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {device}: CUDA is not available here (torch.cuda.is_available() is False); "
+                           "use --device cpu.")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices.")
+
+
+def check_output_dir(path: str) -> None:
+    """The output folder exists (or is created) and is writable: checked before the run, not after it."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise CommandError(f"--output-dir {path} is a file, not a folder.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf_tangent_write_test"):  # one per process
+            pass
+    except OSError as err:
+        raise CommandError(f"--output-dir {path} is not writable ({err.strerror}).") from None
+
+
+def check_text_files(*names) -> None:
+    for name in [n for group in names for n in (group or [])]:
+        if not os.path.isfile(name):
+            raise CommandError(f"text files not found: [{name!r}]")
+        with open(name, "rb") as f:
+            raw = f.read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise CommandError(f"text file {name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 4]!r}); "
+                               "convert it, e.g. iconv -f latin1 -t utf-8.") from None
+
+
+def preflight(*groups, output_dir: str | None = None, device: str | None = None) -> None:
+    """Every check that needs no model: sizes, device, output folder, text files."""
+    check_minimums(*groups)
+    if device is not None:
+        check_device(device)
+    for group in groups:
+        check_text_files(getattr(group, "text_files", None), getattr(group, "calibration_files", None))
+        if getattr(group, "text_files", None) and getattr(group, "dataset", None):
+            raise CommandError("pass --text-files or --dataset, not both.")
+    if output_dir is not None:
+        check_output_dir(output_dir)
+
+
+# ----------------------------------------------------------------------------- recipes
+def find_recipe(name: str) -> Path:
+    """A recipe path, or the name of one shipped with hf_tangent (recipes/<name>.yaml in the wheel)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = resources.files("hf_tangent.recipes") / f"{name}.yaml"
+    if shipped.is_file():
+        return Path(str(shipped))
+    names = sorted(p.name[:-5] for p in resources.files("hf_tangent.recipes").iterdir() if p.name.endswith(".yaml"))
+    raise CommandError(f"recipe {name!r} not found: not a file, nor a shipped recipe ({', '.join(names)}).")
+
+
+def _kind(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.const is True:
+        return "bool"
+    if action.type in (int, float, str):
+        return action.type.__name__
+    return "other"
+
+
+def _check_value(action: argparse.Action, key: str, value, where: str):
+    """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool."""
+    def fail(expected):
+        raise CommandError(f"recipe {where}: key {key!r} must be {expected}, got {value!r} ({type(value).__name__}).")
+
+    kind = _kind(action)
+    if action.nargs in ("+", "*"):
+        if not isinstance(value, list):
+            fail("a list")
+        return [_check_value(argparse.Action([], action.dest, type=action.type, choices=action.choices), key, v, where)
+                for v in value]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            fail("true or false (unquoted)")
+        return value
+    if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+        fail("an integer")
+    if kind == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        fail("a number")
+    if kind == "str" and not isinstance(value, str):
+        fail("a string")
+    if kind == "other" and action.type is not None and value is not None:
+        try:
+            action.type(value if isinstance(value, str) else str(value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            fail(f"accepted by --{action.dest}")
+    if action.choices is not None and value not in action.choices and str(value) not in map(str, action.choices):
+        fail(f"one of {list(action.choices)}")
+    return value
+
+
+def apply_recipe(parser: argparse.ArgumentParser, recipe: str, command: str) -> None:
+    """Set the recipe's values as the parser's defaults (so the command line still wins)."""
+    import yaml
+
+    path = find_recipe(recipe)
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CommandError(f"recipe {path} is not valid YAML: {err}") from None
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise CommandError(f"recipe {path} must be a YAML mapping of option: value, got {type(values).__name__}.")
+    wanted = values.pop("command", command)
+    if wanted != command:
+        raise CommandError(f"recipe {path} is for `{wanted}`, not `{command}`.")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "recipe", "func")}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            raise CommandError(f"recipe {path}: key {key!r} is not an option of `{command}`; accepted: "
+                               f"{', '.join(sorted(actions))}.")
+        defaults[dest] = _check_value(actions[dest], str(key), value, str(path))
+    parser.set_defaults(**defaults)
+
+
+def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
+    """The parser's dataclass instances from a parsed namespace (what HfArgumentParser builds)."""
+    out = []
+    for kind in parser.dataclass_types:
+        names = {f.name for f in dataclasses.fields(kind) if f.init}
+        try:
+            out.append(kind(**{k: v for k, v in vars(namespace).items() if k in names}))
+        except (TypeError, ValueError) as err:
+            raise CommandError(str(err)) from None
+    return tuple(out)
+
+
+def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True):
+    """A subcommand whose options are the fields of `dataclass_types` (plus --recipe)."""
+    sub = subparsers.add_parser(name, dataclass_types=dataclass_types, help=help, description=help,
+                                allow_abbrev=False)  # --seed must not silently mean --seeds
+    if recipe:
+        sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
+    sub.set_defaults(func=func, parser=sub)
+    return sub

@@ -1,0 +1,66 @@
+"""`hf-tangent calibrate`: one scalar FFN gate per layer, every weight frozen (math.md section 5).
+
+Trainer settings are `TrainingArguments` fields (--max_steps, --learning_rate,
+--per_device_train_batch_size, --deepspeed, --fsdp, --bf16, ...), with hf_tangent's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..evaluation import update_variants
+from ..training import TangentTrainingArguments
+from .arguments import (
+    CalibrationTextArguments,
+    CommandError,
+    EvalTextArguments,
+    ModelArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+
+@dataclass
+class CalibrateArguments:
+    update: str = field(default="add", metadata={"help": "update rule the gates scale (default add: x + g_l * FFN)"})
+    layers: list[int] | None = field(default=None, metadata={"help": "layers to gate (default all)"})
+    compare_updates: list[str] = field(default_factory=list, metadata={
+        "help": "also evaluate these update variants, untrained, on the held-out text: " + "; ".join(update_variants()),
+        "choices": list(update_variants()), "metavar": "NAME"})
+    save_model: bool = field(default=True, metadata={
+        "help": "write the calibrated model as a Hub repository folder in OUTPUT_DIR/model"})
+
+
+def calibrate_command_parser(subparsers):
+    return add_command(subparsers, "calibrate", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
+                                                 CalibrateArguments, TangentTrainingArguments),
+                       "train one scalar FFN gate per layer, all weights frozen (math.md section 5)", calibrate_command)
+
+
+def hub_target(training) -> str | None:
+    """The repo to publish to: the Trainer's --push_to_hub / --hub_model_id, published by hf_tangent
+    (a complete Hub folder with remote code and card) instead of the Trainer's checkpoint pushes."""
+    if not training.push_to_hub:
+        return None
+    if not training.hub_model_id:
+        raise CommandError("--push_to_hub needs --hub_model_id (the repository to publish to).")
+    repo, training.push_to_hub = training.hub_model_id, False
+    return repo
+
+
+def calibrate_command(args) -> int:
+    from ..experiments.calibrate import calibrate_gates
+
+    model, text, calibration, options, training = dataclasses_of(args.parser, args)
+    preflight(text, calibration, training, output_dir=training.output_dir)
+    repo = hub_target(training)
+    report = calibrate_gates(model.model, text=text_source(text, calibration), update=options.update,
+                             layers=options.layers, compare_rules=options.compare_updates, seq_len=text.seq_len,
+                             max_windows=text.max_windows, train_windows=calibration.train_windows,
+                             training_args=training, dtype=model.dtype, push_to_hub=repo,
+                             hub_private=bool(training.hub_private_repo),
+                             save_model=f"{training.output_dir}/model" if options.save_model or repo else None)
+    if training.process_index == 0:
+        report.save(training.output_dir, echo=True)
+    return 0

@@ -1,0 +1,40 @@
+"""`hf-tangent eval`: held-out perplexity of the unpatched model and of each update rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..evaluation import update_variants
+from .arguments import (
+    EvalTextArguments,
+    ModelArguments,
+    RunArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+
+@dataclass
+class EvalArguments:
+    updates: list[str] | None = field(default=None, metadata={
+        "help": "update variants to evaluate (default all): " + "; ".join(update_variants()),
+        "choices": list(update_variants()), "metavar": "NAME"})
+
+
+def eval_command_parser(subparsers):
+    return add_command(subparsers, "eval", (ModelArguments, EvalTextArguments, RunArguments, EvalArguments),
+                       "perplexity of the unpatched model and of each update rule on held-out text", eval_command)
+
+
+def eval_command(args) -> int:
+    from ..experiments.evaluate import evaluate_rules
+
+    model, text, run, options = dataclasses_of(args.parser, args)
+    preflight(text, run, output_dir=run.output_dir, device=run.device)
+    report = evaluate_rules(model.model, text=text_source(text), rules=options.updates, seq_len=text.seq_len,
+                            max_windows=text.max_windows, batch_size=run.batch_size, dtype=model.dtype,
+                            device=run.device, seed=run.seed)
+    report.save(run.output_dir, echo=True)
+    return 0

@@ -1,0 +1,53 @@
+"""`hf-tangent finetune`: the same fine-tuning for the unpatched model and each update rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..evaluation import update_variants
+from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings
+from .arguments import (
+    CalibrationTextArguments,
+    EvalTextArguments,
+    ModelArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+
+@dataclass
+class FinetuneArguments:
+    updates: list[str] = field(default_factory=lambda: list(DEFAULT_RULES), metadata={
+        "help": "update variants trained besides the unpatched model: " + "; ".join(update_variants()),
+        "choices": list(update_variants()), "metavar": "NAME"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "one run per seed and variant"})
+    method: Literal["lora", "full"] = field(default="lora", metadata={"help": "LoRA (PEFT) or full fine-tuning"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
+        "help": "LoRA target modules (names of the model's Linear layers)"})
+    save_models: bool = field(default=False, metadata={"help": "write every run's final model as a Hub folder"})
+
+
+def finetune_command_parser(subparsers):
+    return add_command(subparsers, "finetune", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
+                                                FinetuneArguments, FinetuneTrainingArguments),
+                       "the same fine-tuning for the unpatched model and each update rule; perplexity deltas",
+                       finetune_command)
+
+
+def finetune_command(args) -> int:
+    from ..experiments.finetune import finetune
+
+    model, text, calibration, options, training = dataclasses_of(args.parser, args)
+    preflight(text, calibration, training, output_dir=training.output_dir)
+    report = finetune(model.model, text=text_source(text, calibration), rules=options.updates, seeds=options.seeds,
+                      method=options.method, lora=LoraSettings(options.lora_r, options.lora_alpha, tuple(options.lora_targets)),
+                      seq_len=text.seq_len, max_windows=text.max_windows, train_windows=calibration.train_windows,
+                      training_args=training, dtype=model.dtype, save_models=options.save_models)
+    if training.process_index == 0:
+        report.save(training.output_dir, echo=True)
+    return 0

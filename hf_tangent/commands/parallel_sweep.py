@@ -1,0 +1,51 @@
+"""`hf-tangent parallel-sweep`: held-out loss against the number of parallel-converted layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arguments import CalibrationTextArguments as _Calibration
+from .arguments import (
+    EvalTextArguments,
+    ModelArguments,
+    RunArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+
+@dataclass
+class SweepArguments:
+    calibration_files: list[str] | None = field(default=None, metadata={
+        "help": "calibration text for C_l and the greedy selection (default: the Austen calibration novels)"})
+    calibration_windows: int = field(default=4, metadata={"help": "calibration windows (C_l, greedy, budget)"})
+    ks: list[int] | None = field(default=None, metadata={"help": "numbers of converted layers to evaluate (default 0..L)"})
+    random_seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "seeds of the random order"})
+    greedy: bool = field(default=True, metadata={"help": "also the loss-aware greedy selection (O(L^2) evaluations)"})
+    greedy_max_k: int | None = field(default=None, metadata={"help": "stop the greedy selection after this many layers"})
+    budget: float = field(default=0.02, metadata={"help": "loss budget (nats/token) for the recommendation"})
+    speed: bool = field(default=True, metadata={
+        "help": "measure T_A, T_Phi and the end-to-end latency of the recommended conversion"})
+
+
+def parallel_sweep_command_parser(subparsers):
+    return add_command(subparsers, "parallel-sweep", (ModelArguments, EvalTextArguments, RunArguments, SweepArguments),
+                       "held-out loss vs number of parallel-converted layers: low-C_l, high-C_l, random, greedy",
+                       parallel_sweep_command)
+
+
+def parallel_sweep_command(args) -> int:
+    from ..experiments.analysis import parallel_sweep
+
+    model, text, run, options = dataclasses_of(args.parser, args)
+    preflight(text, run, options, output_dir=run.output_dir, device=run.device)
+    report = parallel_sweep(model.model, text=text_source(text, _Calibration(calibration_files=options.calibration_files)),
+                            calibration_windows=options.calibration_windows, ks=options.ks,
+                            random_seeds=options.random_seeds, greedy=options.greedy, greedy_max_k=options.greedy_max_k,
+                            budget=options.budget, speed=options.speed, seq_len=text.seq_len,
+                            max_windows=text.max_windows, batch_size=run.batch_size, dtype=model.dtype,
+                            device=run.device, seed=run.seed)
+    report.save(run.output_dir, echo=True)
+    return 0

@@ -1,0 +1,87 @@
+"""`hf-tangent study`: from-scratch training studies (tangential, retraction, noise; docs/studies.md).
+
+Models are built from scratch and seeded by --seeds, so the study has no --model, --dtype or --seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..studies import ARCHS, SCALES, STUDIES
+from .arguments import CommandError, add_command, dataclasses_of, preflight
+
+
+@dataclass
+class StudyArguments:
+    scale: str = field(default="smoke", metadata={"help": f"one of: {', '.join(SCALES)}"})
+    arch: str = field(default="gpt2", metadata={"help": f"one of: {', '.join(ARCHS)}"})
+    variants: list[str] | None = field(default=None, metadata={"help": "subset of the study's variants (the baseline always runs)"})
+    seeds: list[int] | None = field(default=None, metadata={"help": "default: the scale's seeds"})
+    branches: list[str] = field(default_factory=lambda: ["ffn"], metadata={"help": "ffn, or ffn attention (rule on both)"})
+    output_dir: str = field(default="runs/study", metadata={"help": "where report.json, report.md and plots go"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+    text_files: list[str] | None = field(default=None, metadata={
+        "help": "validation text files (with --calibration-files as training text, or split by document)"})
+    dataset: str | None = field(default=None, metadata={"help": "hub dataset (train split / --dataset-split)"})
+    dataset_split: str = field(default="test", metadata={"help": "validation split of --dataset"})
+    calibration_files: list[str] | None = field(default=None, metadata={"help": "training text files (needs --text-files)"})
+
+
+@dataclass
+class StudyBudget:
+    """Overrides of the scale's budget (default: the scale's)."""
+
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps per run"})
+    eval_every: int | None = field(default=None, metadata={"help": "steps between validation / diagnostics logs"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak AdamW learning rate (cosine schedule)"})
+    train_windows: int | None = field(default=None, metadata={"help": "training windows of --seq-len tokens"})
+    seq_len: int | None = field(default=None, metadata={"help": "tokens per window"})
+    batch_size: int | None = field(default=None, metadata={"help": "training batch size"})
+    max_windows: int | None = field(default=None, metadata={"help": "validation windows"})
+
+
+def study_command_parser(subparsers):
+    sub = add_command(subparsers, "study", (StudyArguments, StudyBudget),
+                      "from-scratch training studies: tangential, retraction, noise (docs/studies.md)", study_command)
+    sub.add_argument("study", nargs="?", help=f"one of: {', '.join(STUDIES)} (or `study:` in a --recipe)")
+    return sub
+
+
+def _documents(options):
+    """(train documents, validation documents, their description) or Nones for the scale's text."""
+    from ..data import TextSource
+
+    if not (options.text_files or options.dataset or options.calibration_files):
+        return None, None, None
+    if options.calibration_files and not options.text_files:
+        raise CommandError("--calibration-files needs --text-files as the validation text.")
+    text = TextSource(text_files=tuple(options.text_files or ()) or None, dataset=options.dataset,
+                      dataset_split=options.dataset_split, calibration_files=tuple(options.calibration_files or ()) or None)
+    described = text.describe(training=True)
+    return text.training_documents(), text.evaluation_documents(training=True), \
+        f"{described['calibration']} / {described['evaluation']}"
+
+
+def study_command(args) -> int:
+    from ..experiments.common import progress_bar
+    from ..studies import check_request, run_study
+
+    options, budget = dataclasses_of(args.parser, args)
+    if args.study is None:
+        raise CommandError(f"name a study: one of {', '.join(STUDIES)} (or `study:` in a --recipe).")
+    if options.calibration_files and not options.text_files:
+        raise CommandError("--calibration-files needs --text-files as the validation text.")
+    preflight(options, output_dir=options.output_dir, device=options.device)
+    names = check_request(args.study, options.scale, options.variants, options.arch)  # errors before any work
+    overrides = {"max_steps": budget.max_steps, "eval_every": budget.eval_every, "learning_rate": budget.learning_rate,
+                 "train_windows": budget.train_windows, "seq_len": budget.seq_len, "batch_size": budget.batch_size,
+                 "val_windows": budget.max_windows}
+    train_docs, val_docs, data = _documents(options)
+    seeds = options.seeds or SCALES[options.scale]["seeds"]
+    with progress_bar(True, len(names) * len(seeds), f"study {args.study} ({options.scale})", "run") as bar:
+        report = run_study(args.study, options.scale, arch=options.arch, variants=options.variants, seeds=seeds,
+                           branches=tuple(options.branches), output_dir=options.output_dir, device=options.device,
+                           progress=bar, overrides=overrides, train_docs=train_docs, val_docs=val_docs, data=data)
+    report.data |= {"hf_tangent_version": __import__("hf_tangent").__version__, "device": options.device}
+    report.data["plots"] = {"validation loss": f"{args.study}_val_loss.png", "diagnostics": f"{args.study}_diagnostics.png"}
+    report.save(options.output_dir, echo=True)
+    return 0

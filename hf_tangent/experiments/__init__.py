@@ -1,0 +1,10 @@
+"""The Python API of every recipe: typed arguments in, a `Report` (to_dict / to_markdown / save) out.
+The `hf-tangent` commands are thin layers over these."""
+
+from .analysis import ablate, diagnose_layers, layer_sensitivity, parallel_sweep
+from .calibrate import calibrate_gates
+from .evaluate import evaluate_rules
+from .finetune import finetune
+
+__all__ = ["ablate", "calibrate_gates", "diagnose_layers", "evaluate_rules", "finetune", "layer_sensitivity",
+           "parallel_sweep"]

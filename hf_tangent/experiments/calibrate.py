@@ -1,0 +1,93 @@
+"""`calibrate_gates`: one scalar FFN gate per layer trained with every weight frozen (math.md section 5)."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import TangentConfig
+from ..evaluation import evaluate_variants, perplexity
+from ..hub import push_to_hub as push_folder
+from ..hub import save_hub_folder
+from ..patching import patch
+from ..registry import decoder_layers
+from ..reports import Report, calibrate_results_markdown, training_card
+from ..training import (
+    TangentTrainingArguments,
+    freeze_all_but_gates,
+    gate_summary,
+    gate_values,
+    lm_dataset,
+    loss_curve,
+    train,
+    training_summary,
+)
+from .common import Clock, environment, progress_bar, resolve_model, source, windows
+
+
+def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
+                    compare_rules: list[str] = (), seq_len: int = 512, max_windows: int = 8, train_windows: int = 64,
+                    training_args: TangentTrainingArguments | None = None, eval_batch_size: int | None = None,
+                    dtype: str = "float32", save_model: str | os.PathLike | None = None, push_to_hub: str | None = None,
+                    hub_private: bool = False, progress: bool = True) -> Report:
+    """Train one FFN gate per layer on calibration text, all model weights frozen, and report the
+    gate profile and the held-out loss change (the `calibrate` report). Runs on every rank of a
+    distributed run (DDP, FSDP, ZeRO-3 through the Trainer); every rank returns the same report.
+
+    Args:
+        model, tokenizer: a model name, or a loaded model with its tokenizer.
+        text: a `TextSource` (evaluation and calibration text; default: the Austen split).
+        update: the update rule the gates scale ("add": x + g_l * FFN(Norm(x))); layers: which (None = all).
+        compare_rules: update variants also evaluated, untrained, on the held-out text.
+        seq_len, max_windows, train_windows: held-out and calibration windows.
+        training_args: Trainer settings (default `TangentTrainingArguments()`: 50 steps at lr 1e-2).
+        save_model: a folder for the calibrated model as a Hub repository; push_to_hub: a repo id.
+    """
+    tangent = TangentConfig(update=update, layers=layers, gates=True)  # validated before any work
+    args = training_args or TangentTrainingArguments()
+    text = source(text)
+    model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
+    tangent.resolve_layers(len(decoder_layers(model)))
+    held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
+    train_set = windows(model, tokenizer, text.training_documents(), seq_len, train_windows)
+    batch = eval_batch_size or args.per_device_eval_batch_size
+    clock = Clock()
+    probe = train_set[: min(len(train_set), 8)]  # calibration loss before/after, same windows
+    model.to(args.device)
+    with progress_bar(progress, (len(compare_rules) + 1) * len(held_out) + len(probe), "held-out evaluation") as bar:
+        table = evaluate_variants(model, held_out, list(compare_rules), batch_size=batch, progress=bar)
+        before = perplexity(model, probe, batch_size=batch, progress=bar)
+    patch(model, tangent)
+    freeze_all_but_gates(model)
+    trainer = train(model, lm_dataset(train_set), args)
+    model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
+    gated = perplexity(model, held_out, batch_size=batch)
+    after = perplexity(model, probe, batch_size=batch)
+    gates = gate_values(trainer.model_wrapped)  # gathered: a collective too
+    report = Report("calibrate", {
+        "command": "calibrate", "model": name, "tangent_config": tangent.to_dict(), "text": text.describe(training=True),
+        "seq_len": seq_len, "eval_windows": len(held_out), "train_windows": len(train_set),
+        "training": training_summary(args) | {"world_size": args.world_size},
+        "gates": {str(k): v for k, v in gates.items()}, "gate_summary": gate_summary(gates),
+        "heldout": {"natural_nll": table[0]["nll"], "gated_nll": gated["nll"], "delta_nll": gated["nll"] - table[0]["nll"],
+                    "natural_perplexity": table[0]["perplexity"], "gated_perplexity": gated["perplexity"]},
+        "calibration": {"natural_nll": before["nll"], "gated_nll": after["nll"], "windows": len(probe)},
+        "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
+        **environment(args.device.type, dtype, args.seed),
+    })
+    if save_model or push_to_hub:
+        _publish(report, trainer.model_wrapped, tokenizer, save_model or os.path.join(args.output_dir, "model"),
+                 push_to_hub, hub_private)
+    return report
+
+
+def _publish(report: Report, model, tokenizer, folder, repo: str | None, private: bool) -> None:
+    """The calibrated model as a Hub folder (every rank: gathering is a collective), pushed if asked."""
+    card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)", "training": training_card(report.data),
+            "results": calibrate_results_markdown(report.data),
+            "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."}
+    folder = save_hub_folder(model, folder, tokenizer=tokenizer, card=card)
+    if folder is not None:  # rank 0
+        report.data["model_folder"] = str(folder)
+        if repo:
+            push_folder(folder, repo, private=private)
+            report.data["pushed_to"] = repo

@@ -1,0 +1,72 @@
+"""What every experiment does first: resolve the model, its text windows and the run's environment."""
+
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .._version import __version__
+from ..data import TextSource, pack_windows
+
+
+def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "float32", device: str | None = None,
+                  seed: int = 0):
+    """(model, tokenizer, name). A name (offline name, folder, hub id) is loaded with `dtype` onto
+    `device`; a model object is used as it is and needs its tokenizer."""
+    from ..models import load_model
+
+    if isinstance(model, str):
+        torch.manual_seed(seed)
+        loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
+        return loaded, tokenizer or loaded_tokenizer, model
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer together with a model object (or pass a model name).")
+    if device is not None:
+        model.to(device)
+    return model, tokenizer, str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+
+def context_length(model) -> int | None:
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def windows(model, tokenizer, documents: list[str], seq_len: int, max_windows: int | None):
+    """Token windows (n, seq_len), checked against the model's context."""
+    context = context_length(model)
+    if context and seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens.")
+    return pack_windows(tokenizer, documents, seq_len, max_windows)
+
+
+def environment(device, dtype, seed) -> dict:
+    return {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed}
+
+
+def source(text) -> TextSource:
+    return TextSource.of(text)
+
+
+@contextmanager
+def progress_bar(enabled: bool, total: int, desc: str, unit: str = "window"):
+    """A tqdm bar (or None when disabled) that always closes."""
+    if not enabled:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc=desc, unit=unit) as bar:
+        yield bar
+
+
+class Clock:
+    def __init__(self):
+        self.start = time.time()
+
+    @property
+    def seconds(self) -> float:
+        return round(time.time() - self.start, 1)

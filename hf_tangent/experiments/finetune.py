@@ -1,0 +1,115 @@
+"""`finetune`: the same fine-tuning (LoRA or full) for the unpatched model and each update rule."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import math
+import os
+import statistics
+
+from ..evaluation import perplexity, update_variants
+from ..hub import save_hub_folder
+from ..patching import patch
+from ..reports import Report
+from ..stats import paired_summary
+from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from .common import Clock, environment, resolve_model, source, windows
+
+DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
+
+
+@dataclasses.dataclass
+class FinetuneTrainingArguments(TangentTrainingArguments):
+    """TangentTrainingArguments with fine-tuning's defaults: lr 2e-4, cosine schedule."""
+
+    learning_rate: float = dataclasses.field(default=2e-4, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = dataclasses.field(default="cosine", metadata={"help": "Trainer scheduler name."})
+
+
+@dataclasses.dataclass
+class LoraSettings:
+    r: int = 8
+    alpha: int = 16
+    targets: tuple[str, ...] = ("q_proj", "v_proj", "up_proj", "down_proj")
+
+
+def finetune_summary(runs: list[dict], baseline: str = "unpatched") -> list[dict]:
+    """Per variant: mean held-out NLL / perplexity over seeds and the paired delta vs the baseline."""
+    by = {(r["variant"], r["seed"]): r for r in runs}
+    rows = []
+    for row in paired_summary(runs, baseline, "nll"):
+        seeds = [s for (v, s) in by if v == row["variant"]]
+        ppl = [math.exp(by[(row["variant"], s)]["nll"]) - math.exp(by[(baseline, s)]["nll"]) for s in seeds if (baseline, s) in by]
+        rows.append({"variant": row["variant"], "seeds": row["seeds"], "nll_mean": row["mean"], "nll_std": row["sd"],
+                     "perplexity_mean": statistics.fmean(math.exp(by[(row["variant"], s)]["nll"]) for s in seeds),
+                     "delta_nll_mean": row["delta_mean"], "delta_perplexity_mean": statistics.fmean(ppl) if ppl else math.nan,
+                     "p_value": row["p_value"]})
+    return rows
+
+
+def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, held_out, args, eval_batch_size, dtype,
+         save_models) -> dict:
+    """One (rule, seed) run: a fresh copy of the model, patched, (LoRA,) trained, evaluated."""
+    run_model = resolve_model(model, tokenizer, dtype=dtype)[0] if isinstance(model, str) else copy.deepcopy(first)
+    if tangent is not None:
+        patch(run_model, tangent)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        run_model = get_peft_model(run_model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                         target_modules=list(lora.targets), lora_dropout=0.0))
+    run_dir = os.path.join(args.output_dir, "runs", f"{rule.split(' (')[0].replace(' ', '_')}-seed{seed}")
+    trainer = train(run_model, dataset, dataclasses.replace(args, output_dir=run_dir, seed=seed, data_seed=seed))
+    run_model.eval()
+    result = perplexity(run_model, held_out, batch_size=eval_batch_size or args.per_device_eval_batch_size)
+    curve = loss_curve(trainer)
+    if save_models and tangent is not None:
+        save_hub_folder(run_model.merge_and_unload() if method == "lora" else run_model, os.path.join(run_dir, "model"),
+                        tokenizer=tokenizer)
+    del run_model, trainer
+    gc.collect()
+    return {"variant": rule, "seed": seed, "nll": result["nll"], "perplexity": result["perplexity"],
+            "final_train_loss": curve[-1][1] if curve else None, "loss_curve": curve}
+
+
+def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
+             method: str = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,
+             train_windows: int = 64, training_args: TangentTrainingArguments | None = None,
+             eval_batch_size: int | None = None, dtype: str = "float32", save_models: bool = False) -> Report:
+    """Fine-tune the unpatched model and every rule's patched model with the same data order, steps
+    and optimizer, for every seed; held-out perplexity with paired statistics (the `finetune` report).
+
+    Args:
+        model: a model name (loaded afresh for every run) or a loaded model (deep-copied per run).
+        rules: update variants trained besides the unpatched model; seeds: one run per seed and rule.
+        method: "lora" (PEFT LoRA with `lora` settings) or "full".
+        training_args: Trainer settings; each run writes to output_dir/runs/<rule>-seed<seed>.
+        save_models: write every patched run's final model as a Hub repository folder.
+    """
+    if method not in ("lora", "full"):
+        raise ValueError(f"method={method!r}; accepted: 'lora', 'full'.")
+    variants = update_variants()
+    unknown = [r for r in rules if r not in variants]
+    if unknown:
+        raise ValueError(f"unknown update variants {unknown}; accepted: {', '.join(variants)}.")
+    args = training_args or FinetuneTrainingArguments()
+    lora = lora or LoraSettings()
+    text = source(text)
+    first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
+    held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
+    dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
+    names = ["unpatched", *[r for r in rules if r != "unpatched"]]
+    clock = Clock()
+    runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
+                 eval_batch_size, dtype, save_models) for seed in seeds for rule in names]
+    return Report("finetune", {
+        "command": "finetune", "model": name, "method": method, "variants": names, "seeds": list(seeds),
+        "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
+        "train_windows": len(dataset),
+        "training": training_summary(args) | {
+            "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if method == "lora" else None},
+        "summary": finetune_summary(runs), "runs": runs, "seconds": clock.seconds,
+        **environment(args.device.type, dtype, args.seed),
+    })

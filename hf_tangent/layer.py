@@ -1,0 +1,182 @@
+"""`TangentLayer`: the patch of one decoder layer, its update rule, gate and hook callbacks.
+
+A layer's forward is never replaced: the hooks sit on the layer and its own submodules (see
+patching.py for the list). What one hook hands the next lives in that call's state, keyed by
+thread, and never outlives the call; on every call the layer checks that each of its hooks fired.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from .config import NOISE_UPDATES, TangentConfig
+from .fused import fused_residual_delta
+from .fused_parallel import FusedParallelExecution
+from .registry import ArchitectureSpec
+from .rules import noise_delta, residual_delta
+
+
+def call_key() -> int:
+    """Who is calling: the thread (a compiled graph traces the hooks away, so one key serves it)."""
+    return 0 if torch.compiler.is_compiling() else threading.get_ident()
+
+
+class TangentLayer(nn.Module):
+    """The patch of one decoder layer: its update rule, optional FFN gate, and hook callbacks."""
+
+    def __init__(self, config: TangentConfig, index: int, *, update: bool, parallel: bool):
+        super().__init__()
+        self.config = config
+        self.index = index
+        self.parallel = parallel
+        gated = update and config.gates
+        self.gate = nn.Parameter(torch.ones(1, dtype=torch.float32)) if gated else None
+        # An 'add' update without alpha or gate is the model's own add: no hook needed.
+        self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
+        self.attention_branch = update and "attention" in config.branches and config.update != "add"
+        self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
+        self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
+        # the submodule roles whose hooks must fire in every call of the layer
+        self.roles = tuple(role for role, needed in (
+            ("input_norm", parallel or self.attention_branch),
+            ("attention_out", self.attention_branch),
+            ("ffn_norm", parallel or self.applies_update),
+            ("ffn_out", self.applies_update),
+        ) if needed)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x_next - x in y's dtype (float32 arithmetic inside)."""
+        c = self.config
+        if c.update in NOISE_UPDATES:
+            return noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
+                               training=self.training, gate=self.gate)
+        delta = fused_residual_delta if c.implementation == "fused" else residual_delta
+        return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        rule = c.update if self.applies_update else "add"
+        extra = {"soft": f", beta={c.beta}", "retract": f", p={c.p}"}.get(rule, "")
+        return f"layer={self.index}, update={rule}{extra}, alpha={c.alpha}, gate={self.gate is not None}, parallel={self.parallel}"
+
+    # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them)
+    def _enter(self, module, args, kwargs):
+        self._calls[call_key()] = {"layer": True}
+
+    def _exit(self, module, args, output):
+        state = self._calls.pop(call_key(), None)
+        if self.fused_execution is not None:
+            self.fused_execution.release(call_key())
+        if output is None or state is None:  # the forward raised (always_call): nothing to check
+            return None
+        missing = [role for role in self.roles if role not in state]
+        if missing:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(module).__name__}) ran without calling its "
+                f"{', '.join(missing)} submodule(s), so its patch did not apply: the layer's forward was "
+                "replaced by code that hf_tangent's hooks cannot see (e.g. a norm applied functionally). "
+                "Patch an unmodified model, or remove the patch with hf_tangent.unpatch(model)."
+            )
+        return None
+
+    def _state(self, role: str) -> dict | None:
+        """This call's state when `role`'s hook fires inside the layer's forward, else None.
+
+        The layer's own hooks open the state. transformers 5 checkpoints the layer's `forward`
+        (not `__call__`), so the backward's recomputation runs without them: there the first
+        role opens a state of its own and the last one closes it."""
+        key = call_key()
+        state = self._calls.get(key)
+        if role == self.roles[0] and (state is None or not state["layer"]) and torch._C._current_graph_task_id() != -1:
+            state = self._calls[key] = {"layer": False}  # recomputation during a backward pass
+        if state is None or role in state:  # a submodule called on its own, or a second time
+            return None
+        state[role] = True
+        if role == self.roles[-1] and not state["layer"]:
+            del self._calls[key]
+        return state
+
+    def _record_block_input(self, module, args, kwargs):
+        state = self._state("input_norm")
+        if state is not None:
+            state["block_input"] = state["attention_x"] = args[0] if args else next(iter(kwargs.values()))
+
+    def _apply_attention_update(self, module, args, output):
+        """The rule on the attention branch (branches includes 'attention'): x = the block input."""
+        state = self._state("attention_out")
+        x = None if state is None else state.pop("attention_x", None)
+        if x is None:
+            return None
+        if isinstance(output, tuple):
+            return (self(x, output[0]),) + tuple(output[1:])
+        return self(x, output)
+
+    def _record_x(self, module, args, kwargs):
+        state = self._state("ffn_norm")
+        if state is None:
+            return None
+        if self.parallel:
+            x = state.pop("block_input", None)
+            if x is None:
+                return None
+            if self.applies_update:
+                state["x"] = x
+            return ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
+        if self.applies_update:
+            state["x"] = args[0] if args else next(iter(kwargs.values()))
+        return None
+
+    def _apply_update(self, module, args, output):
+        state = self._state("ffn_out")
+        x = None if state is None else state.pop("x", None)
+        if x is None:  # the FFN called on its own, outside the layer's forward: leave it alone
+            return None
+        if isinstance(output, tuple):
+            return (self(x, output[0]),) + tuple(output[1:])
+        return self(x, output)
+
+    def prepare(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+        """Everything that can fail, before the model is touched."""
+        if self.parallel and self.config.parallel_execution == "fused":
+            self.fused_execution = FusedParallelExecution(spec, layer)
+        for role in self.roles:
+            spec.submodule(layer, role)
+        param = next(layer.parameters(), None)
+        if param is not None and self.gate is not None:
+            self.to(device=param.device)
+
+    def install(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+        if self.fused_execution is not None:
+            self.fused_execution.install()
+        if "input_norm" in self.roles:
+            spec.submodule(layer, "input_norm").register_forward_pre_hook(self._record_block_input, with_kwargs=True)
+        if "attention_out" in self.roles:
+            spec.submodule(layer, "attention_out").register_forward_hook(self._apply_attention_update)
+        if "ffn_norm" in self.roles:
+            spec.submodule(layer, "ffn_norm").register_forward_pre_hook(self._record_x, with_kwargs=True)
+        if "ffn_out" in self.roles:
+            spec.submodule(layer, "ffn_out").register_forward_hook(self._apply_update)
+        if self.roles:
+            layer.register_forward_pre_hook(self._enter, with_kwargs=True)
+            layer.register_forward_hook(self._exit, always_call=True)
+
+    def uninstall(self, layer: nn.Module) -> None:
+        if self.fused_execution is not None:
+            self.fused_execution.uninstall()
+        for module in layer.modules():
+            _remove_hooks_of(module, self)
+        self._calls.clear()
+
+
+def _remove_hooks_of(module: nn.Module, owner: nn.Module) -> None:
+    for hooks, extras in (
+        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+        (module._forward_hooks, (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)),
+    ):
+        for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is owner]:
+            del hooks[key]
+            for extra in extras:
+                extra.pop(key, None)

@@ -1,0 +1,370 @@
+"""Reports: what every experiment returns, and the one module that renders them.
+
+A `Report` is JSON-able data plus its kind (the command that made it); `to_markdown()` and
+`plot(folder)` render it, `save(folder)` writes report.json, report.md and the plots, and
+`Report.load(path)` reads a saved one back, so a page regenerates from the kept JSON alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plots
+from .verdicts import summarize, verdict, verdict_outcome
+
+
+@dataclass
+class Report:
+    """The result of one experiment (`kind`: eval, calibrate, finetune, diagnose, ablate,
+    sensitivity, parallel-sweep, study, heal); `data` is what report.json holds."""
+
+    kind: str
+    data: dict
+
+    def __post_init__(self):
+        if self.kind not in MARKDOWN:
+            raise ValueError(f"unknown report kind {self.kind!r}; accepted: {', '.join(MARKDOWN)}.")
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    def to_markdown(self) -> str:
+        return MARKDOWN[self.kind](self.data)
+
+    def plot(self, folder: str | os.PathLike) -> list[str]:
+        """Write this report's plots (PNG) into `folder`; returns their paths."""
+        os.makedirs(folder, exist_ok=True)
+        return PLOTS.get(self.kind, lambda data, folder: [])(self.data, str(folder))
+
+    def save(self, folder: str | os.PathLike, *, echo: bool = False) -> Path:
+        """report.json, report.md and the plots in `folder`; `echo` also prints the Markdown."""
+        folder = Path(folder)
+        self.plot(folder)
+        (folder / "report.json").write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        markdown = self.to_markdown()
+        (folder / "report.md").write_text(markdown, encoding="utf-8")
+        if echo:
+            print(markdown)
+            print(f"wrote {folder / 'report.json'} and report.md")
+        return folder
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Report:
+        """A saved report.json (its "command" or "study" field says which kind)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable report.json ({err}).") from err
+        kind = data.get("command") or ("study" if "study" in data else None)
+        if kind not in MARKDOWN:
+            raise ValueError(f"{path}: not an hf-tangent report (no known 'command' field).")
+        return cls(kind, data)
+
+
+def variants_table(rows: list[dict]) -> str:
+    lines = ["| variant | NLL | perplexity | delta NLL | delta perplexity |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['nll']:.4f} | {r['perplexity']:.3f} | {r['delta_nll']:+.4f} | "
+                     f"{r['delta_perplexity']:+.3f} |")
+    return "\n".join(lines)
+
+
+def eval_markdown(report: dict) -> str:
+    return "\n".join([
+        f"# hf-tangent eval: {report['model']}",
+        "",
+        f"Text: {report['text']}; {report['windows']} windows x {report['seq_len']} tokens "
+        f"({report['tokens_per_variant']} predicted tokens per variant); dtype {report['dtype']}, "
+        f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained.",
+        "",
+        variants_table(report["rows"]),
+    ]) + "\n"
+
+
+def training_card(report: dict) -> str:
+    """The model card's training paragraph of a calibrate (or heal) report."""
+    t = report["training"]
+    return (f"Text: {json.dumps(report['text'])}. {report['train_windows']} training windows of {report['seq_len']} "
+            f"tokens; {t['max_steps']} optimizer steps, learning rate {t['learning_rate']}, batch "
+            f"{t['batch_size']} x {t['grad_accum']} accumulation x {t['world_size']} processes; bf16 {t['bf16']}; "
+            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}.")
+
+
+def calibrate_markdown(report: dict) -> str:
+    s = report["gate_summary"]
+    gates = ", ".join(f"{int(k)}: {v:.3f}" for k, v in report["gates"].items())
+    lines = [
+        f"# hf-tangent calibrate: {report['model']}",
+        "",
+        f"{report['train_windows']} calibration windows, {report['training']['max_steps']} steps, "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s on "
+        f"{report['device']}.",
+        "",
+        "## Gate profile",
+        "",
+        f"mean gate **{s['mean']:.3f}**, min {s['min']:.3f} (layer {s['argmin']}) .. max {s['max']:.3f} "
+        f"(layer {s['argmax']}). Paper: GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009.",
+        "",
+        f"Gates by layer: {gates}",
+        "",
+        "![gate profile](gate_profile.png)",
+        "",
+        "## Held-out loss",
+        calibrate_results_markdown(report),
+    ]
+    return "\n".join(lines)
+
+
+def calibrate_results_markdown(report: dict) -> str:
+    """The held-out results of a calibrate report (its report.md section and the model card's)."""
+    h, c = report["heldout"], report["calibration"]
+    lines = [
+        "",
+        "| | NLL | perplexity |",
+        "|---|---:|---:|",
+        f"| natural (gates = 1) | {h['natural_nll']:.4f} | {h['natural_perplexity']:.3f} |",
+        f"| calibrated gates | {h['gated_nll']:.4f} | {h['gated_perplexity']:.3f} |",
+        f"| **Delta L** | **{h['delta_nll']:+.4f}** | |",
+        "",
+        f"Calibration windows ({c['windows']}): NLL {c['natural_nll']:.4f} natural -> {c['gated_nll']:.4f} gated.",
+    ]
+    if len(report["update_variants"]) > 1:
+        lines += ["", "## Update rules, untrained, every layer", "", variants_table(report["update_variants"])]
+    return "\n".join(lines) + "\n"
+
+
+def finetune_markdown(report: dict) -> str:
+    t = report["training"]
+    lines = [
+        f"# hf-tangent finetune: {report['model']} ({report['method']})",
+        "",
+        f"Same data order, steps ({t['max_steps']}), optimizer (AdamW, lr {t['learning_rate']}, {t['lr_scheduler']}) "
+        f"for every variant; seeds {report['seeds']}; {report['train_windows']} training and "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
+        "",
+        "| variant | seeds | held-out NLL (mean +- sd) | perplexity | delta NLL vs unpatched | delta perplexity | p (paired permutation) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in report["summary"]:
+        p = "" if s["variant"] == "unpatched" else f"{s['p_value']:.3f}"
+        lines.append(f"| {s['variant']} | {s['seeds']} | {s['nll_mean']:.4f} +- {s['nll_std']:.4f} | "
+                     f"{s['perplexity_mean']:.3f} | {s['delta_nll_mean']:+.4f} | {s['delta_perplexity_mean']:+.3f} | {p} |")
+    lines += ["", "With n seeds the exact sign-flip test cannot go below p = 2 / 2^n.", "",
+              "![training loss](loss_curves.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def diagnose_markdown(report: dict) -> str:
+    cols = ["rho", "orthogonality_error", "norm_x", "ffn_angle", "diversity_before_attention",
+            "diversity_after_attention", "diversity_after_ffn", "deficit", "ffn_share"]
+    lines = [f"# hf-tangent diagnose: {report['model']} ({report['update']})", "",
+             f"{report['windows']} windows x {report['seq_len']} tokens of {report['text']}; per-layer means over "
+             "tokens (diversity: mean over sequences). Definitions: docs/diagnostics.md.", "",
+             "| layer | " + " | ".join(cols) + " | norm drift |", "|---" * (len(cols) + 2) + "|"]
+    for r in report["layers"]:
+        lines.append(f"| {r['layer']} | " + " | ".join(f"{r[c]['mean']:.4g}" for c in cols) + f" | {r['norm_drift']:.4g} |")
+    lines += ["", "![per-layer diagnostics](diagnostics_layers.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def ablate_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent ablate: {report['model']}", "",
+             f"Full model loss {report['full_loss']:.4f} nats/token on {report['windows']} windows x "
+             f"{report['seq_len']} tokens of {report['text']}; increase over full with a 95% paired bootstrap "
+             "interval over windows.", "",
+             "| variant | layers | loss | increase | 95% CI |", "|---|---|---:|---:|---|"]
+    for r in report["rows"]:
+        if r["layer"] == "all":
+            lines.append(f"| {r['variant']} | all | {r['loss']:.4f} | {r['increase']:+.4f} | "
+                         f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] |")
+    layerwise = [r for r in report["rows"] if r["layer"] != "all"]
+    if layerwise:
+        variants = list(dict.fromkeys(r["variant"] for r in layerwise))
+        lines += ["", "One layer at a time (loss increase):", "", "| layer | " + " | ".join(variants) + " |",
+                  "|---" * (len(variants) + 1) + "|"]
+        for layer in sorted({r["layer"] for r in layerwise}):
+            cells = [next(r for r in layerwise if r["layer"] == layer and r["variant"] == v) for v in variants]
+            lines.append(f"| {layer} | " + " | ".join(f"{c['increase']:+.4f}" for c in cells) + " |")
+        lines += ["", "![layerwise](ablation_heatmap.png)"]
+    lines += ["", "![ablations](ablation_bars.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def sensitivity_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent sensitivity: {report['model']}", "",
+             f"C_l on {report['windows']} calibration windows x {report['seq_len']} tokens of {report['text']}.", ""]
+    if report["already_parallel"]:
+        lines += [f"Layers {report['already_parallel']} are already parallel-residual blocks: nothing to convert there.", ""]
+    lines += ["| layer | C_l (token mean) | window mean +- sd | q05 .. q95 |", "|---:|---:|---:|---|"]
+    for r in report["layers"]:
+        if not r["already_parallel"]:
+            t = r["token_stats"]
+            lines.append(f"| {r['layer']} | {r['c']:.4f} | {r['window_mean']:.4f} +- {r['window_std']:.4f} | "
+                         f"{t['q05']:.3f} .. {t['q95']:.3f} |")
+    return "\n".join(lines + ["", "![C_l](sensitivity.png)"]) + "\n"
+
+
+def sweep_markdown(report: dict) -> str:
+    sweep = report["sweep"]
+    curves = {s: {int(k): v for k, v in c.items()} for s, c in sweep["curves"].items()}  # JSON keys are strings
+    schedules = list(curves)
+    lines = [f"# hf-tangent parallel-sweep: {report['model']}", "",
+             f"Held-out loss {sweep['base_loss']:.4f} nats/token unconverted ({report['heldout_windows']} windows x "
+             f"{report['seq_len']} tokens); C_l and greedy on {report['calibration_windows']} calibration windows. "
+             "Loss increase by number of converted layers (random: mean over seeds):", "",
+             "| k | " + " | ".join(schedules) + " |", "|---:" * (len(schedules) + 1) + "|"]
+    for k in sweep["ks"]:
+        lines.append(f"| {k} | " + " | ".join(f"{curves[s][k]:+.4f}" if k in curves[s] else "-" for s in schedules) + " |")
+    lines += ["", "![sweep](parallel_sweep.png)", "", f"## Largest set within +{next(iter(report['recommendations'].values()))['budget']} nats (chosen on calibration text)", "",
+              "| order | k | layers | held-out increase | within budget on held-out |", "|---|---:|---|---:|---|"]
+    for name, r in report["recommendations"].items():
+        lines.append(f"| {name} | {r['k']} | {r['layers']} | {r['heldout_increase']:+.4f} | {r['within_budget_heldout']} |")
+    if report["speed"]:
+        sp = report["speed"]
+        lines += ["", "## Speed", "", f"Converted layers {sp['layers']}: estimated speedup (A and FFN concurrent, "
+                  f"from measured T_A, T_Phi) **{sp['estimated_speedup']:.3f}x**; measured end-to-end (1 x "
+                  f"{sp['tokens']} tokens, same run): " + ", ".join(f"{k} {v:.3f}x" for k, v in sp["measured_speedup"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+DIAGNOSTIC_PANELS = {
+    "orthogonality_error": "orthogonality error |cos(x, added update)|",
+    "norm_growth": "residual norm drift (last out / first in)",
+    "diversity_after_ffn": "angular diversity 1-|mean u|^2 (last block)",
+    "overflow_fraction": "fp16 overflow / non-finite fraction",
+    "antipolar_fraction": "anti-polar pairs (cos < -0.9)",
+    "cos_mean": "pairwise cosine mean",
+    "cos_std": "pairwise cosine sd",
+    "kmeans_clusters": "spherical k-means clusters (>= 5%)",
+    "spectrum_entropy": "cosine-spectrum entropy",
+}
+
+
+def study_plots(report: dict, folder: str) -> dict:
+    """Validation loss and diagnostics over training (seed bands) as PNGs in folder; title -> file name."""
+    os.makedirs(folder, exist_ok=True)
+    label = f"{report['study']} ({report['scale']}, {report['arch']}, branches {'+'.join(report['branches'])})"
+    files = {"validation loss": f"{report['study']}_val_loss.png", "diagnostics": f"{report['study']}_diagnostics.png"}
+    # paired with the baseline of the same seed at the same step: the seed-to-seed spread cancels
+    baseline = {(r["seed"], h["step"]): h["val_loss"] for r in report["runs"] if r["variant"] == report["variants"][0]
+                for h in r["history"]}
+    runs = [r | {"history": [h | {"delta": h["val_loss"] - baseline[(r["seed"], h["step"])]} for h in r["history"]
+                             if (r["seed"], h["step"]) in baseline]} for r in report["runs"]]
+    plots.study_curves(runs, {"val_loss": "validation loss (nats/token)",
+                              "delta": f"validation loss - {report['variants'][0]} (same seed)"},
+                       os.path.join(folder, files["validation loss"]), f"{label}: seed mean, min..max band")
+    plots.study_curves(report["runs"], DIAGNOSTIC_PANELS, os.path.join(folder, files["diagnostics"]),
+                       f"{label}: diagnostics over training", log_keys=("orthogonality_error",))
+    return files
+
+
+OVERVIEW_HEADER = ["| study | arch | branches | best variant (mean final val loss) | delta vs baseline | p | "
+                   "hypothesis | wall time |", "|---|---|---|---|---:|---:|---|---:|"]
+
+
+def overview_row(report: dict) -> str:
+    """One line of the results page's overview table for one study report."""
+    summary = summarize(report["runs"], report["variants"][0])
+    best = min(summary, key=lambda r: r["final_val_loss_mean"])
+    outcome, _ = verdict_outcome(report["study"], summary, report["runs"])
+    p = "" if math.isnan(best["p_value"]) else f"{best['p_value']:.3f}"
+    return (f"| {report['study']} | {report['arch']} | {'+'.join(report['branches'])} | {best['variant']} "
+            f"({best['final_val_loss_mean']:.4f}) | {best['delta_mean']:+.4f} | {p} | {outcome} | "
+            f"{report['seconds'] / 60:.1f} min |")
+
+
+def study_markdown(report: dict) -> str:
+    s = report["settings"]
+    where = f" ({report['threads']} CPU threads, device {report.get('device', 'cpu')})" if "threads" in report else ""
+    lines = [f"## Study `{report['study']}` ({report['scale']} scale, {report['arch']}, branches {report['branches']})", "",
+             f"{s['n_layer']} layers, {s['n_head']} heads, d={s['d_model']}, {s['max_steps']} steps of "
+             f"{s['batch_size']} x {s['seq_len']} tokens (AdamW, lr {s['learning_rate']:g}, cosine), seeds "
+             f"{report['seeds']}; {report['train_windows']} training and {report['val_windows']} validation windows of "
+             f"{report.get('data', 'Austen: calibration novels / held-out novels')}; wall time "
+             f"{report['seconds']:.0f} s{where}" + (f", over {report['merged_reports']} runs of the command merged by seed"
+                                                       if report.get("merged_reports", 1) > 1 else "") + ".", "",
+             "| variant | final val loss (mean +- sd) | delta vs baseline | p (paired permutation) |",
+             "|---|---:|---:|---:|"]
+    summary = summarize(report["runs"], report["variants"][0])  # recomputed: the page follows the runs
+    for r in summary:
+        p = "" if math.isnan(r["p_value"]) else f"{r['p_value']:.3f}"
+        lines.append(f"| {r['variant']} | {r['final_val_loss_mean']:.4f} +- {r['final_val_loss_sd']:.4f} | "
+                     f"{r['delta_mean']:+.4f} | {p} |")
+    last = {}
+    for run in report["runs"]:
+        last.setdefault(run["variant"], []).append(run["history"][-1])
+    lines += ["", "Diagnostics at the last step (mean over seeds):", "",
+              "| variant | orth. error | norm growth | diversity | fp16 overflow | anti-polar | k-means clusters | grad-norm var |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for variant, hist in last.items():
+        var = [r["grad_norm_variance"] for r in report["runs"] if r["variant"] == variant and r["grad_norm_variance"] is not None]
+        def mean(key, hist=hist):
+            return statistics.fmean(h[key] for h in hist)
+
+        lines.append(f"| {variant} | {mean('orthogonality_error'):.2e} | {mean('norm_growth'):.3f} | "
+                     f"{mean('diversity_after_ffn'):.3f} | {mean('overflow_fraction'):.2e} | {mean('antipolar_fraction'):.3f} | "
+                     f"{mean('kmeans_clusters'):.1f} | {statistics.fmean(var) if var else float('nan'):.3g} |")
+    plots = report.get("plots", {"validation loss": f"{report['study']}_val_loss.png"})
+    lines += ["", f"**Verdict.** {verdict(report['study'], summary, report['runs'])}", ""]
+    lines += [f"![{title}]({path})" for title, path in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+
+def _plot_calibrate(data, folder):
+    curve = [tuple(point) for point in data["loss_curve"]]
+    return [plots.gate_profile({int(k): v for k, v in data["gates"].items()}, os.path.join(folder, "gate_profile.png"),
+                               title=f"Calibrated FFN gates: {data['model']}"),
+            plots.loss_curves({"gates": [curve]}, os.path.join(folder, "loss_curve.png"), title="Calibration loss")]
+
+
+def _plot_finetune(data, folder):
+    curves = {}
+    for run in data["runs"]:
+        curves.setdefault(run["variant"], []).append([tuple(p) for p in run["loss_curve"]])
+    return [plots.loss_curves(curves, os.path.join(folder, "loss_curves.png"),
+                              title=f"{data['method']} fine-tuning, {data['model']}")]
+
+
+def _plot_ablate(data, folder):
+    out = [plots.ablation_bars(data["rows"], os.path.join(folder, "ablation_bars.png"), title=f"{data['model']}: ablations")]
+    if any(r["layer"] != "all" for r in data["rows"]):
+        out.append(plots.ablation_heatmap(data["rows"], os.path.join(folder, "ablation_heatmap.png"),
+                                          title=f"{data['model']}: one layer at a time"))
+    return out
+
+
+def _plot_sensitivity(data, folder):
+    layers = data["layers"] if "layers" in data else data["sensitivity"]["layers"]
+    if all(r["already_parallel"] for r in layers):
+        return []
+    return [plots.sensitivity_profile(layers, os.path.join(folder, "sensitivity.png"), title=f"C_l: {data['model']}")]
+
+
+def _plot_sweep(data, folder):
+    sweep = data["sweep"]
+    curves = {s: {int(k): v for k, v in c.items()} for s, c in sweep["curves"].items()}
+    spread = {int(k): v for k, v in sweep["random_std"].items()}
+    return _plot_sensitivity(data, folder) + [plots.parallel_sweep(
+        curves, spread, os.path.join(folder, "parallel_sweep.png"), title=f"{data['model']}: parallel-residual conversion")]
+
+
+def _plot_study(data, folder):
+    return [os.path.join(folder, name) for name in study_plots(data, folder).values()]
+
+
+MARKDOWN = {"eval": eval_markdown, "calibrate": calibrate_markdown, "finetune": finetune_markdown,
+            "diagnose": diagnose_markdown, "ablate": ablate_markdown, "sensitivity": sensitivity_markdown,
+            "parallel-sweep": sweep_markdown, "study": study_markdown}
+PLOTS = {"calibrate": _plot_calibrate, "finetune": _plot_finetune, "ablate": _plot_ablate,
+         "diagnose": lambda data, folder: [plots.diagnostics_layers(
+             data["layers"], os.path.join(folder, "diagnostics_layers.png"), title=f"{data['model']} ({data['update']})")],
+         "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study}

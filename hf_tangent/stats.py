@@ -1,0 +1,48 @@
+"""Paired statistics over seeds: every variant of a seed shares its initial weights and data order,
+so variants are compared by their per-seed differences (the seed-to-seed spread cancels)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+
+def paired_permutation_test(deltas: list[float]) -> float:
+    """Two-sided p-value of mean(deltas) != 0 by exact sign flips (paired seeds); 1.0 for n < 1."""
+    n = len(deltas)
+    if n == 0:
+        return 1.0
+    observed = abs(sum(deltas)) / n
+    count = total = 0
+    for signs in itertools.product((1, -1), repeat=n):
+        total += 1
+        count += abs(sum(s * d for s, d in zip(signs, deltas, strict=True))) / n >= observed - 1e-15
+    return count / total
+
+
+def paired_deltas(runs: list[dict], a: str, b: str, metric: str) -> list[float]:
+    """metric(a) - metric(b) per seed both were run with, in seed order."""
+    by = {(r["variant"], r["seed"]): r[metric] for r in runs}
+    return [by[(a, s)] - by[(b, s)] for s in sorted(s for (v, s) in by if v == a) if (b, s) in by]
+
+
+def paired(runs: list[dict], a: str, b: str, metric: str) -> tuple[float, float]:
+    """Mean over shared seeds of metric(a) - metric(b), and its paired permutation p-value."""
+    deltas = paired_deltas(runs, a, b, metric)
+    return (statistics.fmean(deltas), paired_permutation_test(deltas)) if deltas else (math.nan, math.nan)
+
+
+def paired_summary(runs: list[dict], baseline: str, metric: str) -> list[dict]:
+    """Per variant (in first-seen order): seeds, mean and sd of `metric`, the mean paired delta
+    against `baseline` and its p-value (nan for the baseline itself)."""
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    rows = []
+    for variant in variants:
+        values = [r[metric] for r in runs if r["variant"] == variant]
+        deltas = paired_deltas(runs, variant, baseline, metric)
+        rows.append({"variant": variant, "seeds": len(values), "mean": statistics.fmean(values),
+                     "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                     "delta_mean": statistics.fmean(deltas) if deltas else math.nan,
+                     "p_value": paired_permutation_test(deltas) if variant != baseline else math.nan})
+    return rows

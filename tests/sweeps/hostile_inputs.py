@@ -1,0 +1,446 @@
+"""A hostile-input sweep over the API and the CLI: every case is run and classified as
+  ok            a valid input gave the right result
+  clear         an invalid input was refused with an error that names what was wrong
+  unclear       refused, but the message does not say what is wrong / accepted
+  silent wrong  no error, but the result is wrong
+  crash         a raw traceback (an unexpected exception type), or a CLI exit other than 2
+  half-patched  an error left the model changed
+
+Run: python tests/sweeps/hostile_inputs.py [--output docs/results/hostile_sweep.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import math
+import sys
+import tempfile
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import SHARED_AUSTEN, VOCAB, make_tiny  # noqa: E402
+
+import hf_tangent as ht  # noqa: E402
+from hf_tangent import cli  # noqa: E402
+
+IDS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+RESULTS: list[tuple[str, str, str, str]] = []  # (group, case, outcome, detail)
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def fingerprint(model):
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    record = json.dumps(getattr(model.config, "hf_tangent", None), sort_keys=True, default=str)
+    gates = [c.gate.detach().clone() for c in ht.tangent_layers(model) if c.gate is not None]
+    return logits(model), hooks, record, gates
+
+
+def same(a, b) -> bool:
+    return (torch.equal(a[0], b[0]) and a[1:3] == b[1:3] and len(a[3]) == len(b[3])
+            and all(torch.equal(x, y) for x, y in zip(a[3], b[3], strict=True)))
+
+
+def record(group, case, outcome, detail=""):
+    RESULTS.append((group, case, outcome, detail[:160]))
+
+
+def expect_error(group, case, fn, message, model=None, kinds=(ValueError, TypeError, AttributeError)):
+    """fn() must raise one of `kinds` whose message contains `message`, leaving `model` as it was."""
+    before = fingerprint(model) if model is not None else None
+    try:
+        fn()
+    except kinds as err:
+        if model is not None and not same(before, fingerprint(model)):
+            return record(group, case, "half-patched", str(err))
+        return record(group, case, "clear" if message in str(err) else "unclear", str(err))
+    except Exception as err:  # noqa: BLE001
+        return record(group, case, "crash", f"{type(err).__name__}: {err}")
+    record(group, case, "silent wrong", "accepted")
+
+
+def expect_ok(group, case, fn):
+    """fn() returns True when the result is right."""
+    try:
+        right = fn()
+    except Exception as err:  # noqa: BLE001
+        return record(group, case, "crash", f"{type(err).__name__}: {err}")
+    record(group, case, "ok" if right else "silent wrong")
+
+
+# ----------------------------------------------------------------------------- config
+def config_cases():
+    bad = [("update", "tangent"), ("update", None), ("beta", -0.1), ("beta", 1.5), ("beta", "0.5"), ("beta", True),
+           ("beta", float("nan")), ("p", 0), ("p", -2), ("p", float("nan")), ("p", "fast"), ("alpha", float("inf")),
+           ("alpha", 1e39), ("alpha", "1"), ("eps", 0), ("eps", -1e-6), ("eps", 1e-50), ("eps", 1e39),
+           ("eps_mode", "scaled"), ("gamma", -1.0), ("gamma", 1e9), ("noise_h", 0), ("noise_rank", 0),
+           ("noise_rank", 2.5), ("branches", ()), ("branches", ("ffn", "ffn")), ("branches", ("mlp",)),
+           ("branches", "ffn"), ("layers", "0,1"), ("layers", [0, 1.5]), ("layers", [True]),
+           ("parallel_layers", [None]), ("gates", "yes"), ("implementation", "triton-ish"),
+           ("parallel_execution", "threads"), ("retraction", "slerp")]
+    for name, value in bad:
+        kwargs = {name: value, **({"update": "retract"} if name == "retraction" else {})}
+        expect_error("config", f"{name}={value!r}", lambda k=kwargs: ht.TangentConfig(**k), f"TangentConfig.{name}")
+    expect_error("config", "retraction with another update", lambda: ht.TangentConfig(update="projected", retraction="cayley"),
+                 "TangentConfig.retraction")
+    expect_error("config", "retraction='exp', p=1.0", lambda: ht.TangentConfig(update="retract", retraction="exp", p=1.0),
+                 "was also given")
+    expect_error("config", "from_dict of a list", lambda: ht.TangentConfig.from_dict([1, 2]), "expects a mapping")
+    expect_error("config", "set a field of a patched model's config",
+                 lambda: setattr(ht.get_config(ht.patch(make_tiny("gpt2"), ht.TangentConfig(update="projected"))), "beta", 0.5),
+                 "update_config")
+
+
+# ----------------------------------------------------------------------------- patch
+def patch_cases():
+    def patched(arch="llama", **kw):
+        return ht.patch(make_tiny(arch), ht.TangentConfig(update="projected", gates=True, **kw))
+
+    for arch in ("gpt2", "gpt_neox_sequential", "llama", "mistral"):
+        model = patched(arch)
+        expect_error("patch", f"{arch}: layer out of range", lambda m=model: ht.patch(m, ht.TangentConfig(layers=[9])),
+                     "out of range", model)
+        expect_error("patch", f"{arch}: parallel layer out of range",
+                     lambda m=model: ht.patch(m, ht.TangentConfig(parallel_layers=[-9])), "out of range", model)
+        expect_error("patch", f"{arch}: a dict as config", lambda m=model: ht.patch(m, {"update": "zero"}),
+                     "expects a TangentConfig", model)
+        cfg = ht.TangentConfig(update="soft", beta=0.5)
+        cfg.beta = 7.0
+        expect_error("patch", f"{arch}: config mutated to an invalid value", lambda m=model, c=cfg: ht.patch(m, c),
+                     "TangentConfig.beta=7.0", model)
+        expect_error("patch", f"{arch}: update_config to an invalid value",
+                     lambda m=model: ht.update_config(m, beta=3.0), "TangentConfig.beta", model)
+    gpt2 = patched("gpt2")
+    expect_error("patch", "gpt2: fused parallel execution", lambda: ht.parallelize(gpt2, [1], execution="fused"),
+                 "no fused parallel execution path", gpt2)
+    compiled = make_tiny("llama")
+    compiled.compile()
+    expect_error("patch", "model compiled in place", lambda: ht.patch(compiled, ht.TangentConfig(update="zero")),
+                 "compiled in place", compiled)
+    expect_error("patch", "torch.compile wrapper", lambda: ht.patch(torch.compile(make_tiny("llama")), ht.TangentConfig()),
+                 "already torch.compile'd")
+    shared = make_tiny("llama")
+    shared.model.layers[1] = shared.model.layers[0]
+    expect_error("patch", "a layer object listed twice", lambda: ht.patch(shared, ht.TangentConfig(update="zero")),
+                 "one module object", shared)
+    foreign = make_tiny("llama")
+    foreign.model.layers[0].forward = lambda *a, **k: a[0]
+    expect_error("patch", "a layer forward replaced on the instance",
+                 lambda: ht.patch(foreign, ht.TangentConfig(update="zero")), "forward replaced")
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(make_tiny("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    expect_error("patch", "a PEFT model", lambda: ht.patch(peft_model, ht.TangentConfig()), "already wrapped by PEFT")
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64))
+    expect_error("patch", "an unsupported model_type", lambda: ht.patch(bert, ht.TangentConfig()), "is not supported")
+    expect_error("patch", "not a model", lambda: ht.patch("gpt2", ht.TangentConfig()), "expects a transformers model")
+    expect_error("patch", "update_config of an unpatched model", lambda: ht.update_config(make_tiny("gpt2"), beta=0.5),
+                 "not patched")
+
+
+# ----------------------------------------------------------------------------- behaviour
+def behaviour_cases():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def shared_config():
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1)
+        a, b = LlamaForCausalLM(config), LlamaForCausalLM(config)
+        ht.patch(a, ht.TangentConfig(update="projected"))
+        ht.patch(b, ht.TangentConfig(update="zero"))
+        ht.unpatch(b)
+        return a.config.hf_tangent["config"]["update"] == "projected" and not hasattr(config, "hf_tangent")
+
+    def live_config():
+        cfg = ht.TangentConfig(update="soft", beta=0.5)
+        model = ht.patch(make_tiny("llama"), cfg)
+        before = logits(model)
+        cfg.beta = 1.0
+        return torch.equal(logits(model), before) and model.config.hf_tangent["config"]["beta"] == 0.5
+
+    def threads():
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="retract", retraction="cayley", parallel_layers=[1]))
+        inputs = [torch.randint(0, VOCAB, (1, 5 + i)) for i in range(6)]
+        expected = [logits(model, x) for x in inputs]
+        wrong = []
+
+        def worker():
+            for k in range(30):
+                if not torch.equal(logits(model, inputs[k % 6]), expected[k % 6]):
+                    wrong.append(k)
+
+        workers = [threading.Thread(target=worker) for _ in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return not wrong
+
+    def stale_x():
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+        layer, h = model.model.layers[0], torch.randn(1, 3, 64)
+        with torch.no_grad():
+            model(IDS)
+            out = layer.mlp(layer.post_attention_layernorm(h))
+            ht.unpatch(model)
+            return torch.equal(out, layer.mlp(layer.post_attention_layernorm(h)))
+
+    def nan_token():
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", eps_mode="relative"))
+        clean = logits(model)
+        handle = model.model.embed_tokens.register_forward_hook(
+            lambda m, a, o: o.index_put((torch.tensor([0]), torch.tensor([2])), torch.tensor(float("nan"))))
+        out = logits(model)
+        handle.remove()
+        return torch.equal(out[1], clean[1])
+
+    def zero_state():
+        x, y = torch.zeros(2, 8), torch.randn(2, 8)
+        return torch.equal(ht.fused.fused_residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8)) and \
+            torch.equal(ht.rules.residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8))
+
+    def fp16_overflow():
+        x = torch.randn(4, 64) * 1000
+        x[:, 0] = 40000.0
+        y = torch.randn(4, 64) * 16000
+        return torch.isfinite(x.half() + ht.rules.residual_delta(x.half(), y.half(), "retract", p=math.inf)).all().item()
+
+    def atomic_repatch():
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True))
+        with torch.no_grad():
+            ht.tangent_layers(model)[0].gate.fill_(0.25)
+        before = fingerprint(model)
+        with contextlib.suppress(ValueError):
+            ht.patch(model, ht.TangentConfig(update="zero", layers=[7]))
+        return same(before, fingerprint(model))
+
+    def disabled_is_exact():
+        model = make_tiny("gpt2")
+        plain = logits(model)
+        ht.patch(model, ht.TangentConfig(update="projected", gates=True))
+        with ht.disabled(model):
+            inside = logits(model)
+        return torch.equal(inside, plain) and ht.get_config(model) is not None
+
+    def deepcopy_independent():
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True))
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            ht.tangent_layers(clone)[0].gate.fill_(0.0)
+        return not torch.equal(logits(clone), logits(model)) and clone.config is not model.config
+
+    for name, fn in [("two models from one config", shared_config), ("caller's config changed after patch", live_config),
+                     ("two threads, one model", threads), ("standalone FFN after a forward", stale_x),
+                     ("NaN token under relative eps", nan_token), ("retract at x = 0", zero_state),
+                     ("fp16 retraction near the range", fp16_overflow), ("failed re-patch keeps gates", atomic_repatch),
+                     ("ht.disabled is exact", disabled_is_exact), ("deepcopy gives an independent patch", deepcopy_independent)]:
+        expect_ok("behaviour", name, fn)
+    for arch in ("gpt2", "gpt_neox_parallel", "gpt_neox_sequential", "llama", "mistral"):
+        def roundtrip(arch=arch):
+            model = make_tiny(arch)
+            plain = logits(model)
+            ht.patch(model, ht.TangentConfig(update="retract", retraction="cayley", gates=True))
+            ht.unpatch(model)
+            return torch.equal(logits(model), plain)
+
+        expect_ok("behaviour", f"{arch}: unpatch is bit-identical", roundtrip)
+
+
+# ----------------------------------------------------------------------------- reload
+def reload_cases(tmp: Path):
+    from safetensors.torch import load_file, save_file
+
+    def fresh(name):
+        folder = tmp / name
+        ht.patch(make_tiny("llama"), ht.TangentConfig(update="soft", beta=0.3, layers=[0, 2], gates=True)).save_pretrained(folder)
+        return folder
+
+    def edit(folder, fn):
+        data = json.loads((folder / "config.json").read_text())
+        fn(data)
+        (folder / "config.json").write_text(json.dumps(data))
+
+    records = {
+        "record is a list": (lambda d: d.update(hf_tangent=[1]), "must be a mapping"),
+        "no config": (lambda d: d["hf_tangent"].pop("config"), "'hf_tangent.config' is missing"),
+        "no model_type": (lambda d: d["hf_tangent"].pop("model_type"), "'hf_tangent.model_type' is missing"),
+        "num_layers a string": (lambda d: d["hf_tangent"].update(num_layers="3"), "'hf_tangent.num_layers' must be"),
+        "num_layers 0": (lambda d: d["hf_tangent"].update(num_layers=0), "must be >= 1"),
+        "num_layers wrong": (lambda d: d["hf_tangent"].update(num_layers=30), "saved for 30 layers"),
+        "model_type wrong": (lambda d: d["hf_tangent"].update(model_type="gpt2"), "saved from model_type 'gpt2'"),
+        "patched_layers strings": (lambda d: d["hf_tangent"].update(patched_layers=["0"]), "must list layer indices"),
+        "patched_layers wider than config.layers": (lambda d: d["hf_tangent"]["config"].update(layers=[0]), "disagrees"),
+        "gates false, gates saved": (lambda d: d["hf_tangent"]["config"].update(gates=False), "config.gates is false"),
+        "parallel_layers disagree": (lambda d: d["hf_tangent"].update(parallel_layers=[1]), "disagrees"),
+        "beta out of range": (lambda d: d["hf_tangent"]["config"].update(beta=3.0), "TangentConfig.beta=3.0"),
+        "p a word": (lambda d: d["hf_tangent"]["config"].update(p="fast"), "TangentConfig.p='fast'"),
+        "config a list": (lambda d: d["hf_tangent"].update(config=[1]), "'hf_tangent.config' must be a dict"),
+        "layer index out of range": (lambda d: d["hf_tangent"]["config"].update(layers=[0, 7]), "out of range"),
+    }
+    for i, (case, (change, message)) in enumerate(records.items()):
+        folder = fresh(f"r{i}")
+        edit(folder, change)
+        expect_error("reload", case, lambda f=folder: ht.from_pretrained(f), message)
+    folder = fresh("json")
+    (folder / "config.json").write_text("{not json")
+    expect_error("reload", "config.json not JSON", lambda: ht.from_pretrained(folder), "not a valid JSON file")
+    folder = fresh("bytes")
+    (folder / "model.safetensors").write_bytes(b"\x00" * 32)
+    expect_error("reload", "damaged safetensors", lambda: ht.from_pretrained(folder), "not a readable safetensors file")
+    for case, mutate, message in [
+        ("gate of shape (3,)", lambda w: w.update({"model.layers.0.tangent_patch.gate": torch.ones(3)}), "shape (1,)"),
+        ("integer gate", lambda w: w.update({"model.layers.0.tangent_patch.gate": torch.ones(1, dtype=torch.int64)}),
+         "floating-point gate"),
+        ("a gate missing", lambda w: w.pop("model.layers.2.tangent_patch.gate"), "gates are saved for layers [0]"),
+        ("a base weight missing", lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "missing from the weights"),
+        ("a foreign weight", lambda w: w.update({"model.extra.weight": torch.ones(1)}), "not in the model"),
+    ]:
+        folder = fresh(case.replace(" ", "_"))
+        weights = load_file(folder / "model.safetensors")
+        mutate(weights)
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        expect_error("reload", case, lambda f=folder: ht.from_pretrained(f), message)
+    expect_error("reload", "not a folder", lambda: ht.from_pretrained(tmp / "nowhere"), "not a saved model folder")
+    plain = tmp / "plain"
+    make_tiny("gpt2").save_pretrained(plain)
+    expect_error("reload", "folder without a patch", lambda: ht.from_pretrained(plain), "holds no hf_tangent patch")
+
+    def old_scalar_gates():
+        folder = fresh("scalar")
+        weights = load_file(folder / "model.safetensors")
+        for key in [k for k in weights if k.endswith(".gate")]:
+            weights[key] = weights[key].reshape(())
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        return [tuple(c.gate.shape) for c in ht.tangent_layers(ht.from_pretrained(folder))] == [(1,), (1,)]
+
+    expect_ok("reload", "0-dim gates of older releases load", old_scalar_gates)
+
+
+# ----------------------------------------------------------------------------- CLI
+def cli_cases(tmp: Path, model_folder: Path):
+    emma = str(SHARED_AUSTEN / "emma.txt")
+    common = ["--model", str(model_folder), "--seq-len", "16", "--max-windows", "1", "--output-dir", str(tmp / "o")]
+    (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp / "file").write_text("x")
+    recipes = {"not_yaml": "a: [1\n", "list": "- 1\n", "quoted_bool": "save_model: \"false\"\n", "bad_int": "max_steps: x\n",
+               "unknown": "max_step: 3\n", "other_command": "command: eval\n", "bad_choice": "compare_updates: [nope]\n",
+               "float_for_int": "seq_len: 2.5\n", "scalar_for_list": "layers: 3\n"}
+    for name, text in recipes.items():
+        (tmp / f"{name}.yaml").write_text(text)
+    cases = [
+        (["eval", *common, "--device", "cuda"], "eval", "CUDA is not available" if not torch.cuda.is_available() else "SKIP"),
+        (["eval", *common, "--device", "quantum"], "eval", "is not a device"),
+        (["eval", *common, "--text-files", str(tmp / "latin1.txt")], "eval", "is not UTF-8 text"),
+        (["eval", *common, "--text-files", str(tmp / "missing.txt")], "eval", "text files not found"),
+        (["eval", *common, "--output-dir", str(tmp / "file")], "eval", "is a file, not a folder"),
+        (["eval", *common, "--seq-len", "1"], "eval", "too small"),
+        (["eval", *common, "--seq-len", "500"], "eval", "exceeds the model's context"),
+        (["eval", *common, "--max-windows", "0"], "eval", "too small"),
+        (["eval", *common, "--updates", "nope"], "eval", "invalid choice"),
+        (["eval", *common, "--dtype", "float8"], "eval", "invalid choice"),
+        (["eval", *common, "--max-window", "1"], "eval", "unrecognized arguments"),
+        (["eval", *common, "--text-files", emma, "--dataset", "wikitext-2"], "eval", "not both"),
+        (["eval", "--model", str(tmp / "no_model"), "--output-dir", str(tmp / "o")], "eval", "could not load model"),
+        (["ablate", *common, "--bootstrap", "0"], "ablate", "too small"),
+        (["ablate", *common, "--variants", "everything"], "ablate", "invalid choice"),
+        (["diagnose", *common, "--update", "nope"], "diagnose", "invalid choice"),
+        (["diagnose", *common, "--layers", "x"], "diagnose", "invalid int value"),
+        (["sensitivity", *common, "--text-files", emma], "sensitivity", "unrecognized arguments: --text-files"),
+        (["parallel-sweep", *common, "--calibration-windows", "0"], "parallel-sweep", "too small"),
+        (["calibrate", *common, "--layers", "9"], "calibrate", "out of range"),
+        (["calibrate", *common, "--update", "tangent"], "calibrate", "TangentConfig.update='tangent'"),
+        (["calibrate", *common, "--resume-from-checkpoint", "last"], "calibrate", "no complete checkpoint"),
+        (["calibrate", *common, "--push-to-hub"], "calibrate", "needs --hub_model_id"),
+        (["finetune", *common, "--method", "qlora"], "finetune", "invalid choice"),
+        (["study"], "study", "name a study"),
+        (["study", "noise", "--model", "gpt2"], "study", "unrecognized arguments"),
+        (["study", "noise", "--seed", "1"], "study", "unrecognized arguments"),
+        (["study", "entropy"], "study", "unknown study"),
+        (["study-report", str(tmp / "file")], "study-report", "not a readable report.json"),
+        *[(["calibrate", *common, "--recipe", str(tmp / f"{n}.yaml")], "calibrate", m) for n, m in [
+            ("not_yaml", "not valid YAML"), ("list", "must be a YAML mapping"), ("quoted_bool", "must be true or false"),
+            ("bad_int", "must be an integer"), ("unknown", "is not an option"), ("other_command", "is for `eval`"),
+            ("bad_choice", "must be one of"), ("float_for_int", "must be an integer"), ("scalar_for_list", "must be a list")]],
+        (["calibrate", *common, "--recipe", "no_such_recipe"], "calibrate", "not found"),
+    ]
+    for argv, command, message in cases:
+        if message == "SKIP":
+            continue
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        except Exception as exc:  # noqa: BLE001
+            record("cli", " ".join(argv[:1] + argv[-2:]), "crash", f"{type(exc).__name__}: {exc}")
+            continue
+        lines = err.getvalue().strip().splitlines()
+        last = lines[-1] if lines else ""
+        case = f"{command}: {message}"
+        if code != 2:
+            record("cli", case, "silent wrong" if code == 0 else "crash", f"exit {code}: {last}")
+        elif last.startswith(f"hf-tangent {command}: error: ") and message in last:
+            record("cli", case, "clear", last)
+        else:
+            record("cli", case, "unclear", last)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output", help="write the Markdown table here")
+    args = parser.parse_args()
+    import os
+
+    os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(SHARED_AUSTEN))
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from hf_tangent.models import load_tokenizer
+
+        tokenizer = load_tokenizer("smollm2-135m")
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1,
+                                     max_position_embeddings=64)).save_pretrained(tmp / "tiny")
+        tokenizer.save_pretrained(tmp / "tiny")
+        config_cases()
+        patch_cases()
+        behaviour_cases()
+        reload_cases(tmp)
+        cli_cases(tmp, tmp / "tiny")
+    counts = Counter(outcome for _, _, outcome, _ in RESULTS)
+    groups = sorted({g for g, *_ in RESULTS})
+    outcomes = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
+    lines = ["# Hostile-input sweep", "", f"{len(RESULTS)} cases (`python tests/sweeps/hostile_inputs.py`).", "",
+             "| group | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
+    for group in groups:
+        c = Counter(o for g, _, o, _ in RESULTS if g == group)
+        lines.append(f"| {group} | " + " | ".join(str(c[o]) for o in outcomes) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{counts[o]}**" for o in outcomes) + " |")
+    bad = [(g, c, o, d) for g, c, o, d in RESULTS if o in ("unclear", "silent wrong", "crash", "half-patched")]
+    if bad:
+        lines += ["", "Cases that are not ok / clear:", ""] + [f"- {g} / {c}: **{o}** {d}" for g, c, o, d in bad]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The Python API of every recipe, called without argparse: typed arguments in, a Report out, whose
+numbers agree with the library functions underneath (tested against independent computations in
+their own test files)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+import hf_tangent as ht
+from hf_tangent import ablation, diagnostics, parallel
+from hf_tangent.data import pack_windows
+
+
+@pytest.fixture
+def tiny(tiny_lm_folder):
+    return LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), AutoTokenizer.from_pretrained(tiny_lm_folder)
+
+
+@pytest.fixture
+def text(austen_dir):
+    return ht.TextSource(text_files=(str(austen_dir / "emma.txt"),),
+                         calibration_files=(str(austen_dir / "prideprejudice.txt"),))
+
+
+def held_out(tokenizer, austen_dir, name="emma.txt", n=2):
+    return pack_windows(tokenizer, [(austen_dir / name).read_text(encoding="utf-8")], 32, n)
+
+
+def test_every_public_function_documents_its_arguments():
+    for name in ht.__all__:
+        obj = getattr(ht, name)
+        if inspect.isfunction(obj):
+            doc = inspect.getdoc(obj) or ""
+            assert len(doc) > 40, name
+            params = [p for p in inspect.signature(obj).parameters if p not in ("self", "kwargs", "fields")]
+            if len(params) > 3 and name not in ("patch",):
+                assert "Args:" in doc or all(p in doc for p in params[:2]), name
+
+
+def test_evaluate_rules_on_a_model_object(tiny, text, austen_dir):
+    model, tokenizer = tiny
+    report = ht.evaluate_rules(model, tokenizer, text=text, rules=["projected"], seq_len=32, max_windows=2,
+                               progress=False)
+    assert isinstance(report, ht.Report) and report.kind == "eval"
+    with torch.no_grad():
+        windows = held_out(tokenizer, austen_dir)
+        nll = sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert rows["unpatched"]["nll"] == pytest.approx(nll, rel=1e-5)
+    assert "| projected |" in report.to_markdown() and report.to_dict()["text"] == str(austen_dir / "emma.txt")
+    assert ht.get_config(model) is None  # the caller's model is left as it was
+
+
+def test_evaluate_rules_keeps_the_callers_patch(tiny, austen_dir):
+    model, tokenizer = tiny
+    ht.patch(model, ht.TangentConfig(update="zero", layers=[0]))
+    docs = [(austen_dir / "emma.txt").read_text(encoding="utf-8")]
+    report = ht.evaluate_rules(model, tokenizer, text=docs, rules=[], seq_len=32, max_windows=1, progress=False)
+    assert [r["variant"] for r in report["rows"]] == ["unpatched", "saved patch (as loaded)"]
+    assert ht.get_config(model).update == "zero" and report["text"] == "user documents"
+
+
+def test_ablate_diagnose_sensitivity_agree_with_the_library(tiny, text, austen_dir):
+    model, tokenizer = tiny
+    windows = held_out(tokenizer, austen_dir)
+    report = ht.ablate(model, tokenizer, text=text, variants=["zero_ffn"], bootstrap=50, seq_len=32, max_windows=2,
+                       progress=False)
+    direct = ablation.run_ablation(model, windows, variants=["zero_ffn"], n_boot=50)
+    assert report["rows"] == direct["rows"] and report["full_loss"] == direct["full_loss"]
+    with pytest.raises(ValueError, match="bootstrap=0"):
+        ht.ablate(model, tokenizer, text=text, bootstrap=0, progress=False)
+    report = ht.diagnose_layers(model, tokenizer, text=text, update="projected", seq_len=32, max_windows=2, progress=False)
+    assert report["layers"][1]["orthogonality_error"]["max"] < 1e-4 and ht.get_config(model) is not None
+    ht.unpatch(model)
+    assert report["layers"][0]["rho"] == pytest.approx(diagnostics.diagnose(
+        ht.patch(model, ht.TangentConfig(update="projected")), windows)[0]["rho"])
+    ht.unpatch(model)
+    report = ht.layer_sensitivity(model, tokenizer, text=text, seq_len=32, max_windows=2, progress=False)
+    calibration = held_out(tokenizer, austen_dir, "prideprejudice.txt")
+    assert report["scores"] == parallel.sensitivity(model, calibration)["scores"]
+    assert report["text"] == str(austen_dir / "prideprejudice.txt")
+
+
+def test_parallel_sweep_api(tiny, text):
+    model, tokenizer = tiny
+    report = ht.parallel_sweep(model, tokenizer, text=text, calibration_windows=1, ks=[0, 1], random_seeds=[0],
+                               greedy=False, speed=False, seq_len=32, max_windows=1, progress=False)
+    assert report.kind == "parallel-sweep" and report["sweep"]["curves"]["low_c"][0] == 0.0
+    assert report["speed"] is None and list(report["recommendations"]) == ["low_c"]
+
+
+def test_run_study_api(tmp_path):
+    report = ht.run_study("tangential", "smoke", variants=["projected"], seeds=[0], output_dir=str(tmp_path),
+                          overrides={"max_steps": 2, "eval_every": 2})
+    assert report.kind == "study" and [r["variant"] for r in report["runs"]] == ["unpatched", "projected"]
+    assert "**Verdict.**" in report.to_markdown()

@@ -1,0 +1,138 @@
+"""The command layer: each command owns its options, recipes are checked key by key, and every
+user error ends in one `hf-tangent <command>: error: ...` line with exit code 2, before any
+expensive work. Reports regenerate from their kept JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_tangent import cli
+from hf_tangent.reports import Report
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def assert_user_error(code, err, command, message):
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"hf-tangent {command}: error: ") and message in last, err
+
+
+@pytest.fixture
+def common(tiny_lm_folder, austen_dir, tmp_path):
+    return ["--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"), "--seq-len", "32",
+            "--max-windows", "1", "--output-dir", str(tmp_path / "out")]
+
+
+def test_each_command_owns_exactly_its_options():
+    _, parsers = cli.build_parser()
+    options = {name: {a.dest for a in p._actions} for name, p in parsers.items()}
+    assert "text_files" not in options["sensitivity"] and "dataset" not in options["sensitivity"]
+    assert "calibration_files" in options["sensitivity"]
+    assert {"model", "dtype", "seed"}.isdisjoint(options["study"])
+    assert "deepspeed" in options["calibrate"] and "fsdp" in options["finetune"]  # TrainingArguments pass through
+    assert "deepspeed" not in options["eval"] and "updates" not in options["ablate"]
+
+
+@pytest.mark.parametrize("argv, command, message", [
+    (["eval", "--device", "cuda"], "eval", "CUDA is not available here"),
+    (["eval", "--device", "gpu0"], "eval", "is not a device"),
+    (["ablate", "--bootstrap", "0"], "ablate", "--bootstrap 0 is too small (at least 1)"),
+    (["eval", "--seq-len", "1"], "eval", "--seq-len 1 is too small"),
+    (["eval", "--updates", "projectd"], "eval", "invalid choice: 'projectd'"),
+    (["eval", "--max-window", "2"], "eval", "unrecognized arguments: --max-window 2"),  # no abbreviations
+])
+def test_bad_options_are_one_line_errors(common, capsys, argv, command, message):
+    if argv[0] == "eval" and torch.cuda.is_available() and "cuda" in argv:
+        pytest.skip("this machine has CUDA")
+    code, err = run([argv[0], *common, *argv[1:]], capsys)
+    assert_user_error(code, err, command, message)
+
+
+def test_output_dir_that_is_a_file_fails_before_the_run(common, tmp_path, capsys, monkeypatch):
+    import hf_tangent.experiments.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate_rules", lambda *a, **k: pytest.fail("ran before checking the output dir"))
+    (tmp_path / "taken").write_text("a file")
+    code, err = run(["eval", *common, "--output-dir", str(tmp_path / "taken")], capsys)
+    assert_user_error(code, err, "eval", "is a file, not a folder")
+    assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_non_utf8_text_is_named(common, tmp_path, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    code, err = run(["eval", *common, "--text-files", str(bad)], capsys)
+    assert_user_error(code, err, "eval", f"text file {bad} is not UTF-8 text (byte 3")
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("max_steps: [3\n", "is not valid YAML"),
+    ("- just\n- a list\n", "must be a YAML mapping"),
+    ("save_model: \"false\"\n", "key 'save_model' must be true or false (unquoted), got 'false'"),
+    ("max_steps: three\n", "key 'max_steps' must be an integer, got 'three'"),
+    ("seq_len: 3.5\n", "key 'seq_len' must be an integer, got 3.5"),
+    ("compare_updates: projected\n", "key 'compare_updates' must be a list"),
+    ("compare_updates: [projectd]\n", "key 'compare_updates' must be one of"),
+    ("command: eval\n", "is for `eval`, not `calibrate`"),
+    ("max_step: 3\n", "key 'max_step' is not an option of `calibrate`"),
+])
+def test_recipe_errors_name_the_file_and_key(common, tmp_path, capsys, recipe, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    code, err = run(["calibrate", *common, "--recipe", str(path)], capsys)
+    assert_user_error(code, err, "calibrate", message)
+    if "key" in message:
+        assert str(path) in err
+
+
+def test_recipe_booleans_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("command: calibrate\nsave_model: false\nmax_steps: 7\nseq_len: 64\ncompare_updates: [projected]\n")
+    args = cli.parse_args(["calibrate", "--recipe", str(path), "--seq-len", "32"])
+    assert args.save_model is False and args.max_steps == 7 and args.seq_len == 32
+    assert args.compare_updates == ["projected"]
+    assert cli.parse_args(["calibrate", "--recipe", str(path), "--save-model"]).save_model is True
+    with pytest.raises(SystemExit):
+        cli.parse_args(["calibrate", "--recipe", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (DOCS / "results").glob("*.json")))
+def test_kept_reports_regenerate_from_their_json(name):
+    """docs/results/*.md are what the renderer makes of the JSON kept beside them (same numbers)."""
+    def text(markdown):  # the kept pages link renamed plot files: compare everything but image links
+        return [line for line in markdown.splitlines() if not line.startswith("![")]
+
+    report = Report.load(DOCS / "results" / name)
+    kept = (DOCS / "results" / name.replace(".json", ".md")).read_text(encoding="utf-8")
+    assert text(report.to_markdown()) == text(kept)
+
+
+def test_report_load_refuses_what_is_not_a_report(tmp_path):
+    (tmp_path / "x.json").write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="not an hf-tangent report"):
+        Report.load(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text("{")
+    with pytest.raises(ValueError, match="not a readable report.json"):
+        Report.load(tmp_path / "y.json")
+
+
+def test_eval_command_writes_its_files(common, tmp_path, capsys):
+    code, _ = run(["eval", *common, "--updates", "projected"], capsys)
+    assert code == 0
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    assert report["command"] == "eval" and [r["variant"] for r in report["rows"]] == ["unpatched", "projected"]
+    assert (out / "report.md").read_text() == Report.load(out / "report.json").to_markdown()

@@ -1,0 +1,76 @@
+"""The product is what `pip install` gives: build the wheel, install it (not editable) into a fresh
+environment, and from a folder outside the checkout run the main job at smoke size and export the
+Hub folder; then load that folder with hf_tangent uninstalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.wheel
+
+
+def sh(*args, cwd=None, env=None, timeout=900) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    assert result.returncode == 0, f"{args}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, ROOT)
+    return next(dist.glob("hf_tangent-*.whl"))
+
+
+def test_wheel_carries_recipes_card_and_metric(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"hf_tangent/recipes/offline_default.yaml", "hf_tangent/model_cards/hf_tangent_model_card.md",
+            "hf_tangent/metrics/tangent_perplexity/tangent_perplexity.py", "hf_tangent/commands/calibrate.py",
+            "hf_tangent/experiments/calibrate.py", "hf_tangent/recipes/accelerate/fsdp2.yaml"} <= names
+    assert not any(n.startswith(("tests/", "docs/")) for n in names)
+
+
+def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path):
+    env_dir = tmp_path / "venv"
+    sh(sys.executable, "-m", "venv", env_dir)
+    python = env_dir / "bin" / "python"
+    site = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    # dependencies (torch, transformers, ...) come from this environment's site-packages, read-only;
+    # hf_tangent itself only from the wheel (this environment's editable install is not on that path)
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    sh(python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    where = sh(python, "-c", "import hf_tangent; print(hf_tangent.__file__)", cwd=work).stdout.strip()
+    assert where.startswith(str(site)), where
+    cli = env_dir / "bin" / "hf-tangent"
+    sh(cli, "calibrate", "--recipe", "offline_default", "--max_steps", "1", "--seq_len", "32", "--max_windows", "1",
+       "--train_windows", "2", "--per_device_train_batch_size", "1", "--compare_updates", "projected",
+       "--use_cpu", "--output_dir", "out", cwd=work)
+    report = json.loads((work / "out" / "report.json").read_text())
+    assert report["model"] == "smollm2-135m" and report["text"]["calibration"] == "austen:calibration"
+    assert [r["variant"] for r in report["update_variants"]] == ["unpatched", "projected"]
+    hub = work / "out" / "model"
+    assert {"README.md", "config.json", "modeling_hf_tangent.py", "patching.py"} <= {p.name for p in hub.iterdir()}
+    assert "Delta L" in (hub / "README.md").read_text()
+    logits = work / "logits.pt"
+    probe = ("import sys, torch; ids = torch.tensor([[1, 2, 3, 4, 5, 6]]); model = {load}.eval(); "
+             "out = model(ids).logits; {check}")
+    sh(python, "-c", probe.format(load=f"__import__('hf_tangent').from_pretrained({str(hub)!r})",
+                                  check=f"torch.save(out, {str(logits)!r})"), cwd=work)
+    sh(python, "-m", "pip", "uninstall", "-y", "-q", "hf_tangent")
+    sh(python, "-c", probe.format(
+        load=f"__import__('transformers').AutoModelForCausalLM.from_pretrained({str(hub)!r}, trust_remote_code=True)",
+        check=(f"assert torch.equal(out, torch.load({str(logits)!r})); "
+               "import importlib.util; assert importlib.util.find_spec('hf_tangent') is None; "
+               "assert type(model).__name__ == 'TangentForCausalLM'")), cwd=work)
