@@ -154,7 +154,7 @@ def run(engine: str, arch: str, mode: str, out_dir: Path, rank: int, world: int)
     if rank == 0 and saved is not None:
         torch.save(eval_logits(reference.eval()), folder / "reference_logits.pt")
         result |= {"saved": str(saved), "hub": str(hub)}
-    if mode == "gates" and engine != "fsdp1":  # unpatch through the wrapper: the unpatched forward again
+    if mode == "gates":  # unpatch through the wrapper: the unpatched forward again
         ht.unpatch(wrapped)
         plain = make_tiny(arch, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if arch == "gpt2" else {}))
         wrapped.eval()  # (a DeepSpeed engine's eval() returns None)
