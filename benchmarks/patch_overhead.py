@@ -38,6 +38,8 @@ SHAPES = {
     "llama-smollm2": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
                                     tie_word_embeddings=True)),
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
     "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)),
 }
@@ -69,7 +71,7 @@ def forward_suite(model, ids, rule, repeats, device):
 
 
 def build_like(model, device):
-    clone = type(model)(model.config).to(device)
+    clone = type(model)(model.config).to(device, next(model.parameters()).dtype)
     clone.load_state_dict(model.state_dict())
     return clone.eval()
 
@@ -208,6 +210,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny model, short sequences, 2 repeats")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--implementation", default="fused", choices=["fused", "reference", "triton"],
+                        help="how the patched model computes the rule")
     parser.add_argument("--output")
     parser.add_argument("--rss-probe", choices=["unpatched", "patched"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -215,11 +220,14 @@ def main(argv=None) -> dict:
         return rss_probe(args)
     if args.tiny:
         args.shapes, args.seq_len, args.repeats, args.new_tokens = ["tiny"], 32, 2, 4
-    results = {"benchmark": "patch_overhead", "device": args.device, "threads": torch.get_num_threads(),
+    for rule in RULES.values():
+        rule["implementation"] = args.implementation
+    results = {"benchmark": "patch_overhead", "device": args.device, "dtype": args.dtype,
+               "implementation": args.implementation, "threads": torch.get_num_threads(),
                "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
                "seq_len": args.seq_len, "batch": args.batch, "repeats": args.repeats, "rows": []}
     for shape in args.shapes:
-        model = build(shape, args.device).eval()
+        model = build(shape, args.device).to(getattr(torch, args.dtype)).eval()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), device=args.device)
         prompt = ids[:, : min(32, args.seq_len)]
         for rule in args.rules:

@@ -23,7 +23,7 @@ BRANCHES = ("ffn", "attention")
 # Named retractions of math.md section 2, as the p of theta_p(t) = p * atan(t / p).
 RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
 EPS_MODES = ("absolute", "relative")
-IMPLEMENTATIONS = ("fused", "reference")
+IMPLEMENTATIONS = ("fused", "reference", "triton")
 PARALLEL_EXECUTIONS = ("hooks", "fused")
 # Bounds that keep every update finite in float32: alpha * y overflows float32 only for |y| > 3.4e32.
 MAX_ALPHA = 1e6
@@ -107,7 +107,8 @@ class TangentConfig:
     implementation: str = field(
         default="fused",
         metadata={"help": "'fused': one autograd Function with an analytic backward that saves only x and y "
-                          "(default); 'reference': plain tensor ops (rules.py), what the tests compare against."},
+                          "(default); 'reference': plain tensor ops (rules.py), what the tests compare against; "
+                          "'triton': one Triton kernel per rule (CUDA; opt-in, not yet measured on hardware)."},
     )
 
     def __post_init__(self) -> None:
@@ -152,6 +153,8 @@ class TangentConfig:
             _fail("parallel_execution", self.parallel_execution, ", ".join(repr(m) for m in PARALLEL_EXECUTIONS))
         if self.implementation not in IMPLEMENTATIONS:
             _fail("implementation", self.implementation, ", ".join(repr(m) for m in IMPLEMENTATIONS))
+        if self.implementation == "triton" and self.update in NOISE_UPDATES:
+            _fail("implementation", self.implementation, f"'fused' or 'reference' for the noise update {self.update!r}")
         if not isinstance(self.gates, bool):
             _fail("gates", self.gates, "True or False")
         if self.layers is not None:

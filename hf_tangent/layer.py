@@ -7,6 +7,7 @@ thread, and never outlives the call; on every call the layer checks that each of
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import torch
@@ -53,7 +54,12 @@ class TangentLayer(nn.Module):
         if c.update in NOISE_UPDATES:
             return noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
                                training=self.training, gate=self.gate)
-        delta = fused_residual_delta if c.implementation == "fused" else residual_delta
+        if c.implementation == "triton":
+            # imported by name: the Hub folder's remote code (which falls back to "fused") ships no kernels,
+            # and transformers requires a file for every relative import statement it finds
+            delta = importlib.import_module(".kernels.triton_update", __package__).triton_residual_delta
+        else:
+            delta = fused_residual_delta if c.implementation == "fused" else residual_delta
         return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
 
     def extra_repr(self) -> str:

@@ -7,6 +7,10 @@ import os
 # Tests never reach the hub (nor does CI): fail fast instead of retrying for seconds.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Without a GPU, Triton kernels run in triton's interpreter on CPU tensors (read when a kernel is
+# decorated, so before anything imports hf_tangent.kernels).
+if os.environ.get("HF_TANGENT_TEST_CUDA") != "1" and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest

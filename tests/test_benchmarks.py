@@ -48,3 +48,29 @@ def test_parallel_speed_tiny(tmp_path):
     result = json.loads(out.read_text())
     assert len(result["layers"]) == 2 and result["estimated_speedup"] >= 1.0
     assert result["measured_speedup_hooks"] > 0 and result["measured_speedup_fused"] > 0
+
+
+def test_gpu_check_fails_fast_without_a_gpu():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "gpu_check: no CUDA device here" in result.stderr
+
+
+@__import__("pytest").mark.slow
+def test_gpu_check_runs_its_steps_at_toy_size_on_the_cpu(tmp_path):
+    """Everything after the gpu tests, at toy sizes in triton's interpreter: the code paths work and
+    the JSON renders (the numbers mean nothing on a CPU)."""
+    import os
+
+    result = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--output", str(tmp_path / "gpu")],
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert {r["rule"] for r in report["kernel"]} == {"projected", "retract"} and set(report["generate"]) == {"dynamic", "static"}
+    again = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--render", str(tmp_path / "gpu.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.stdout.strip() == (tmp_path / "gpu.md").read_text().strip()

@@ -1,0 +1,251 @@
+"""The one device check: everything hf_tangent measures on a GPU, in one prepared run (<= 8 min on
+an H200), written to one JSON and one Markdown file.
+
+    python benchmarks/gpu_check.py --output benchmarks/results/gpu          # on a CUDA machine
+    python benchmarks/gpu_check.py --render benchmarks/results/gpu.json     # the docs/performance.md section
+
+Steps: (1) the gpu tests (tests/test_gpu.py, tests/test_triton.py); (2) kernel micro-benchmarks of
+the Triton update against the eager rule, the fused autograd rule and torch.compile of the same math
+(bf16, 16k tokens, d in 576 / 2048 / 4096; fwd and fwd+bwd; GB/s against the measured copy
+bandwidth); (3) end-to-end ratios patched / unpatched (benchmarks/patch_overhead.py) for a
+SmolLM2-shaped and a ~1B Llama-shaped model at 8 x 2048 tokens; generate at batch 1 with dynamic and
+static caches; (4) the parallel conversion (12 of 30 layers): estimated against measured saving.
+It needs no network and no Hub; without a GPU it stops at once (exit 2) unless --cpu-smoke, which
+runs steps 2-4 at toy sizes on the CPU to check the code (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"kernel_vs_eager": (">=", 5.0), "kernel_vs_compile": (">=", 1.0), "bandwidth_fraction": (">=", 0.6),
+           "forward": ("<=", 1.01), "train": ("<=", 1.02), "peak": ("<=", 1.01), "generate": (">=", 0.99),
+           "parallel_fraction_of_estimate": (">=", 0.8)}
+
+
+def timer(fn, device: str, repeats: int = 20) -> float:
+    """Median milliseconds of fn (triton.testing.do_bench on CUDA)."""
+    import torch
+
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=50))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str, gigabytes: float) -> float:
+    """Practical peak: GB/s of a device-to-device copy (read + write)."""
+    import torch
+
+    n = int(gigabytes * 1e9 / 2)
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    ms = timer(lambda: b.copy_(a), device)
+    return 2 * a.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def kernel_bench(device: str, tokens: int, dims: list[int], rules: list[str]) -> list[dict]:
+    import torch
+
+    from hf_tangent.fused import fused_residual_delta
+    from hf_tangent.kernels.triton_update import triton_residual_delta
+    from hf_tangent.rules import residual_delta
+
+    dtype = torch.bfloat16
+    compiled = torch.compile(residual_delta, dynamic=False) if device == "cuda" else residual_delta
+    rows = []
+    for d in dims:
+        x = torch.randn(tokens, d, device=device, dtype=dtype)
+        y = torch.randn(tokens, d, device=device, dtype=dtype)
+        for rule in rules:
+            kw = {"p": 2.0} if rule == "retract" else {}
+            impls = {"triton": triton_residual_delta, "eager": residual_delta, "fused": fused_residual_delta,
+                     "compile": compiled}
+            row = {"d": d, "tokens": tokens, "rule": rule}
+            for name, fn in impls.items():
+                row[f"fwd_ms_{name}"] = timer(lambda fn=fn, x=x, y=y, rule=rule, kw=kw: fn(x, y, rule, **kw), device)
+                xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
+                grad = torch.randn_like(x)
+
+                def step(fn=fn, xg=xg, yg=yg, grad=grad, rule=rule, kw=kw):
+                    out = fn(xg, yg, rule, **kw)
+                    torch.autograd.grad(out, (xg, yg), grad)
+
+                row[f"fwd_bwd_ms_{name}"] = timer(step, device)
+            size = tokens * d * 2  # bytes of one bf16 (tokens, d) tensor
+            row["fwd_gb_s_triton"] = 3 * size / (row["fwd_ms_triton"] * 1e-3) / 1e9  # read x, y; write delta
+            row["fwd_bwd_gb_s_triton"] = 8 * size / (row["fwd_bwd_ms_triton"] * 1e-3) / 1e9  # + read g, x, y; write dx, dy
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def end_to_end(device: str, shapes: list[str], batch: int, seq_len: int, repeats: int, out: Path) -> dict:
+    """benchmarks/patch_overhead.py in a subprocess: projected update, Triton kernel, bf16."""
+    json_path = out.with_name(out.name + "-e2e.json")
+    command = [sys.executable, str(ROOT / "benchmarks" / "patch_overhead.py"), "--shapes", *shapes, "--rules",
+               "projected", "--suites", "forward", "train", "memory", "--batch", str(batch), "--seq-len", str(seq_len),
+               "--repeats", str(repeats), "--device", device, "--dtype", "bfloat16" if device == "cuda" else "float32",
+               "--implementation", "triton", "--output", str(json_path)]
+    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads(json_path.read_text())
+
+
+def generate_bench(device: str, shape: str, new_tokens: int, repeats: int) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from patch_overhead import build, build_like
+
+    import hf_tangent as ht
+    from hf_tangent.timing import interleaved_ratio
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    base = build(shape, device).to(dtype).eval()
+    patched = ht.patch(build_like(base, device), ht.TangentConfig(update="projected", implementation="triton"))
+    prompt = torch.randint(0, base.config.vocab_size, (1, 32), device=device)
+    out = {}
+    for cache in ("dynamic", "static"):
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if cache == "static":
+            kwargs["cache_implementation"] = "static"
+
+        @torch.no_grad()
+        def run(m, kwargs=kwargs):
+            m.generate(prompt, **kwargs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        result = interleaved_ratio(lambda: run(base), lambda: run(patched), repeats=repeats)
+        out[cache] = result | {"tokens_per_s_ratio": 1.0 / result["ratio_median"],
+                               "tokens_per_s_patched": new_tokens / result["candidate_median_s"]}
+    return out
+
+
+def parallel_bench(device: str, shape: str, batch: int, seq_len: int, layers: int) -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from patch_overhead import build
+
+    from hf_tangent.experiments.analysis import measure_speed
+
+    model = build(shape, device).to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (max(2, batch), seq_len), device=device)
+    speed = measure_speed(model, ids, list(range(layers)), batch_size=batch)
+    saving = lambda s: 1.0 - 1.0 / s  # noqa: E731  fraction of time saved
+    speed["fraction_of_estimate"] = {k: saving(v) / saving(speed["estimated_speedup"])
+                                     for k, v in speed["measured_speedup"].items()}
+    speed["cuda_streams"] = "not implemented: attention and FFN run on one stream"
+    return speed
+
+
+def run_tests(out: Path) -> dict:
+    start = time.time()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu",
+                             str(ROOT / "tests" / "test_gpu.py"), str(ROOT / "tests" / "test_triton.py"),
+                             f"--junitxml={out.with_name(out.name + '-tests.xml')}"],
+                            capture_output=True, text=True, cwd=ROOT)
+    tail = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
+    return {"returncode": result.returncode, "summary": tail, "seconds": round(time.time() - start, 1),
+            "failures": [line for line in result.stdout.splitlines() if line.startswith("FAILED")]}
+
+
+def _verdict(value, key) -> str:
+    op, bound = TARGETS[key]
+    ok = value >= bound if op == ">=" else value <= bound
+    return f"{value:.3f}" if ok else f"**{value:.3f}** (miss: target {op} {bound})"
+
+
+def render(report: dict) -> str:
+    """The GPU section of docs/performance.md from gpu_check's JSON."""
+    lines = [f"## GPU: {report['device_name']} (torch {report['torch']}, triton {report['triton']})", "",
+             f"Measured by `benchmarks/gpu_check.py` in one run ({report['seconds']:.0f} s). "
+             f"gpu tests: {report['tests']['summary']}. Copy bandwidth (practical peak): "
+             f"{report['copy_gb_s']:.0f} GB/s.", "",
+             "Kernel, bf16, 16k tokens (ms; speedups of the Triton kernel):", "",
+             "| rule | d | triton fwd | eager fwd | compile fwd | x eager | x compile | GB/s (share of peak) | triton fwd+bwd | fused fwd+bwd |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["kernel"]:
+        share = r["fwd_gb_s_triton"] / report["copy_gb_s"]
+        lines.append(f"| {r['rule']} | {r['d']} | {r['fwd_ms_triton']:.3f} | {r['fwd_ms_eager']:.3f} | "
+                     f"{r['fwd_ms_compile']:.3f} | {_verdict(r['fwd_ms_eager'] / r['fwd_ms_triton'], 'kernel_vs_eager')} | "
+                     f"{_verdict(r['fwd_ms_compile'] / r['fwd_ms_triton'], 'kernel_vs_compile')} | "
+                     f"{r['fwd_gb_s_triton']:.0f} ({_verdict(share, 'bandwidth_fraction') if r['d'] >= 2048 else f'{share:.2f}'}) | "
+                     f"{r['fwd_bwd_ms_triton']:.3f} | {r['fwd_bwd_ms_fused']:.3f} |")
+    lines += ["", "End to end, projected update through the Triton kernel, bf16, ratio patched / unpatched:", "",
+              "| shape | forward | training step | peak memory |", "|---|---:|---:|---:|"]
+    rows = report["end_to_end"]["rows"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        by = {r["suite"]: r for r in rows if r["shape"] == shape}
+        mem = by.get("memory", {})
+        peak = mem.get("peak_bytes_patched", 0) / max(1, mem.get("peak_bytes_unpatched", 1))
+        lines.append(f"| {shape} | {_verdict(by['forward']['ratio_median'], 'forward')} | "
+                     f"{_verdict(by['train']['ratio_median'], 'train')} | {_verdict(peak, 'peak')} |")
+    lines += ["", "generate (batch 1), tokens/s ratio patched / unpatched: " + ", ".join(
+        f"{cache} cache {_verdict(v['tokens_per_s_ratio'], 'generate')} ({v['tokens_per_s_patched']:.0f} tokens/s patched)"
+        for cache, v in report["generate"].items()), ""]
+    p = report["parallel"]
+    lines += [f"Parallel conversion of {len(p['layers'])} layers: estimated speedup {p['estimated_speedup']:.3f}x, measured "
+              + ", ".join(f"{k} {v:.3f}x ({_verdict(p['fraction_of_estimate'][k], 'parallel_fraction_of_estimate')} of the "
+                          "estimated saving)" for k, v in p["measured_speedup"].items()) + f"; CUDA streams: {p['cuda_streams']}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="path stem: .json and .md")
+    parser.add_argument("--render", help="print the Markdown of a gpu_check JSON and exit")
+    parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU (code check, meaningless numbers)")
+    args = parser.parse_args(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine, "
+              "or pass --cpu-smoke to check the code at toy sizes.", file=sys.stderr)
+        return 2
+    import triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    smoke = args.cpu_smoke
+    report = {"device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)", "torch": torch.__version__,
+              "triton": triton.__version__, "smoke": smoke}
+    report["tests"] = {"summary": "skipped (smoke)"} if smoke else run_tests(out)
+    report["copy_gb_s"] = copy_bandwidth(device, 0.01 if smoke else 2.0)
+    report["kernel"] = kernel_bench(device, 64 if smoke else 16384, [123] if smoke else [576, 2048, 4096],
+                                    ["projected", "retract"])
+    report["end_to_end"] = end_to_end(device, ["tiny"] if smoke else ["llama-smollm2", "llama-1b"], 1 if smoke else 8,
+                                      16 if smoke else 2048, 2 if smoke else 5, out)
+    report["generate"] = generate_bench(device, "tiny" if smoke else "llama-smollm2", 4 if smoke else 64, 2 if smoke else 5)
+    report["parallel"] = parallel_bench(device, "tiny" if smoke else "llama-smollm2", 1, 16 if smoke else 2048,
+                                        1 if smoke else 12)
+    report["seconds"] = time.time() - start
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    markdown = render(report)
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    return 0 if smoke or report["tests"]["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Optional compute kernels (Triton). Nothing here is imported unless implementation="triton" is used."""
