@@ -25,6 +25,17 @@ def call_key() -> int:
     return 0 if torch.compiler.is_compiling() else threading.get_ident()
 
 
+_KERNELS: dict = {}  # implementation -> delta function, for the optional kernels
+
+
+def _load_triton():
+    # imported by name: the Hub folder's remote code (which falls back to "fused") ships no kernels,
+    # and transformers requires a file for every relative import statement it finds
+    if "triton" not in _KERNELS:
+        _KERNELS["triton"] = importlib.import_module(".kernels.triton_update", __package__).triton_residual_delta
+    return _KERNELS["triton"]
+
+
 class TangentLayer(nn.Module):
     """The patch of one decoder layer: its update rule, optional FFN gate, and hook callbacks."""
 
@@ -55,9 +66,7 @@ class TangentLayer(nn.Module):
             return noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
                                training=self.training, gate=self.gate)
         if c.implementation == "triton":
-            # imported by name: the Hub folder's remote code (which falls back to "fused") ships no kernels,
-            # and transformers requires a file for every relative import statement it finds
-            delta = importlib.import_module(".kernels.triton_update", __package__).triton_residual_delta
+            delta = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
         else:
             delta = fused_residual_delta if c.implementation == "fused" else residual_delta
         return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
@@ -146,6 +155,8 @@ class TangentLayer(nn.Module):
 
     def prepare(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
         """Everything that can fail, before the model is touched."""
+        if self.config.implementation == "triton":
+            _load_triton()
         if self.parallel and self.config.parallel_execution == "fused":
             self.fused_execution = FusedParallelExecution(spec, layer)
         for role in self.roles:
