@@ -136,10 +136,20 @@ def load_documents(text_files: Sequence[str] | None = None, dataset: str | None 
         # Line-per-row corpora (WikiText) form one document; the split is the hub's own.
         return ["\n".join(ds[column])]
     files = list(text_files) if text_files else austen_files(split)
+    check_text_files(files)  # before datasets, whose error for a bad byte names neither file nor position
+    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+    docs = [d for d in ds["text"] if d.strip()]
+    if not docs:
+        raise ValueError(f"the text files {files} hold no text.")
+    return docs
+
+
+def check_text_files(files: Sequence[str]) -> None:
+    """Every file exists and is UTF-8 text; the error names the file (and the byte)."""
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"text files not found: {missing}")
-    for name in files:  # before datasets, whose error for a bad byte names neither file nor position
+    for name in files:
         with open(name, "rb") as f:
             raw = f.read()
         try:
@@ -147,11 +157,6 @@ def load_documents(text_files: Sequence[str] | None = None, dataset: str | None 
         except UnicodeDecodeError as err:
             raise ValueError(f"text file {name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 4]!r}); "
                              "convert it, e.g. iconv -f latin1 -t utf-8.") from None
-    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
-    docs = [d for d in ds["text"] if d.strip()]
-    if not docs:
-        raise ValueError(f"the text files {files} hold no text.")
-    return docs
 
 
 def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows: int | None = None) -> torch.Tensor:

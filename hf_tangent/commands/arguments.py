@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from .. import data
 from ..data import TextSource
 from ..models import DEFAULT_MODEL, OFFLINE_MODELS
 
@@ -113,17 +113,11 @@ def check_output_dir(path: str) -> None:
         raise CommandError(f"--output-dir {path} is not writable ({err.strerror}).") from None
 
 
-def check_text_files(*names) -> None:
-    for name in [n for group in names for n in (group or [])]:
-        if not os.path.isfile(name):
-            raise CommandError(f"text files not found: [{name!r}]")
-        with open(name, "rb") as f:
-            raw = f.read()
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise CommandError(f"text file {name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 4]!r}); "
-                               "convert it, e.g. iconv -f latin1 -t utf-8.") from None
+def check_text_files(*groups) -> None:
+    try:
+        data.check_text_files([name for group in groups for name in (group or [])])
+    except (FileNotFoundError, ValueError) as err:
+        raise CommandError(str(err)) from None
 
 
 def preflight(*groups, output_dir: str | None = None, device: str | None = None) -> None:
