@@ -18,15 +18,12 @@ original weights).
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _call_key() -> int:  # as patching.call_key (this module sits below patching)
-    return 0 if torch.compiler.is_compiling() else threading.get_ident()
+from .calls import call_key
 
 
 class FusedParallelExecution:
@@ -50,6 +47,7 @@ class FusedParallelExecution:
             raise ValueError("hf_tangent: fused parallel execution needs nn.Linear input projections "
                              "(apply PEFT after the patch, not before).")
         self.layer = layer
+        self._count = len(self.attention_in) + len(self.ffn_in)  # projections per layer call
         self._outputs: dict[int, tuple] = {}  # call_key() -> (h, its projections, indices not yet read)
         self._cache_key = None
         self._weight = self._bias = None
@@ -83,10 +81,10 @@ class FusedParallelExecution:
         """Projection `index` of h. The first projection of a layer call computes all of them (the norms
         pass h through, so every projection receives the same tensor); the last one drops them, so a
         checkpointed recomputation computes them again."""
-        key = _call_key()
+        key = call_key()
         entry = self._outputs.get(key)
         if entry is None or entry[0] is not h:
-            entry = self._outputs[key] = (h, self._projections(h), set(range(len(self.attention_in + self.ffn_in))))
+            entry = self._outputs[key] = (h, self._projections(h), set(range(self._count)))
         entry[2].discard(index)
         if not entry[2]:
             del self._outputs[key]

@@ -20,7 +20,7 @@ from .serialization import save_pretrained
 from .wrappers import model_class, unwrap
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REMOTE_CODE_MODULES = ("_version.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
+REMOTE_CODE_MODULES = ("_version.py", "calls.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
                        "wrappers.py", "layer.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CLASS = "TangentForCausalLM"
@@ -36,6 +36,7 @@ from transformers import {base} as _Base
 
 # transformers (4.x) copies only the files this module imports directly: import every one.
 from ._version import __version__  # noqa: F401
+from .calls import call_key  # noqa: F401
 from .config import TangentConfig
 from .fused import fused_residual_delta  # noqa: F401
 from .fused_parallel import FusedParallelExecution  # noqa: F401

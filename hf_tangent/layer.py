@@ -8,22 +8,16 @@ thread, and never outlives the call; on every call the layer checks that each of
 from __future__ import annotations
 
 import importlib
-import threading
 
 import torch
 from torch import nn
 
+from .calls import call_key
 from .config import NOISE_UPDATES, TangentConfig
 from .fused import fused_residual_delta
 from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec
 from .rules import noise_delta, residual_delta
-
-
-def call_key() -> int:
-    """Who is calling: the thread (a compiled graph traces the hooks away, so one key serves it)."""
-    return 0 if torch.compiler.is_compiling() else threading.get_ident()
-
 
 _KERNELS: dict = {}  # implementation -> delta function, for the optional kernels
 
@@ -82,9 +76,10 @@ class TangentLayer(nn.Module):
         self._calls[call_key()] = {"layer": True}
 
     def _exit(self, module, args, output):
-        state = self._calls.pop(call_key(), None)
+        key = call_key()
+        state = self._calls.pop(key, None)
         if self.fused_execution is not None:
-            self.fused_execution.release(call_key())
+            self.fused_execution.release(key)
         if output is None or state is None:  # the forward raised (always_call): nothing to check
             return None
         missing = [role for role in self.roles if role not in state]

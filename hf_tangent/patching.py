@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .config import TangentConfig
-from .layer import TangentLayer, call_key  # noqa: F401  (call_key: re-exported)
+from .layer import TangentLayer
 from .registry import ArchitectureSpec, get_spec
 from .wrappers import ddp_wrapper_of, sharding_engine, unwrap
 

@@ -214,7 +214,7 @@ def sensitivity_markdown(report: dict) -> str:
 
 def sweep_markdown(report: dict) -> str:
     sweep = report["sweep"]
-    curves = {s: {int(k): v for k, v in c.items()} for s, c in sweep["curves"].items()}  # JSON keys are strings
+    curves = _int_keys(sweep["curves"])
     schedules = list(curves)
     lines = [f"# hf-tangent parallel-sweep: {report['model']}", "",
              f"Held-out loss {sweep['base_loss']:.4f} nats/token unconverted ({report['heldout_windows']} windows x "
@@ -319,6 +319,11 @@ def study_markdown(report: dict) -> str:
 
 
 
+def _int_keys(curves: dict) -> dict:
+    """Sweep curves by schedule and k, with int k (a report read back from JSON has string keys)."""
+    return {schedule: {int(k): v for k, v in curve.items()} for schedule, curve in curves.items()}
+
+
 def _plot_calibrate(data, folder):
     curve = [tuple(point) for point in data["loss_curve"]]
     return [plots.gate_profile({int(k): v for k, v in data["gates"].items()}, os.path.join(folder, "gate_profile.png"),
@@ -351,8 +356,7 @@ def _plot_sensitivity(data, folder):
 
 def _plot_sweep(data, folder):
     sweep = data["sweep"]
-    curves = {s: {int(k): v for k, v in c.items()} for s, c in sweep["curves"].items()}
-    spread = {int(k): v for k, v in sweep["random_std"].items()}
+    curves, spread = _int_keys(sweep["curves"]), {int(k): v for k, v in sweep["random_std"].items()}
     return _plot_sensitivity(data, folder) + [plots.parallel_sweep(
         curves, spread, os.path.join(folder, "parallel_sweep.png"), title=f"{data['model']}: parallel-residual conversion")]
 

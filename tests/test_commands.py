@@ -136,3 +136,13 @@ def test_eval_command_writes_its_files(common, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["command"] == "eval" and [r["variant"] for r in report["rows"]] == ["unpatched", "projected"]
     assert (out / "report.md").read_text() == Report.load(out / "report.json").to_markdown()
+
+
+def test_a_refused_run_creates_no_output_folder(common, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    code, err = run(["calibrate", *common, "--output-dir", str(out), "--layers", "9"], capsys)
+    assert_user_error(code, err, "calibrate", "out of range")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    code, err = run(["eval", *common, "--output-dir", str(tmp_path / "file" / "sub")], capsys)
+    assert_user_error(code, err, "eval", "is a file, not a folder")

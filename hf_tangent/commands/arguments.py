@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -101,16 +101,18 @@ def check_device(device: str) -> None:
 
 
 def check_output_dir(path: str) -> None:
-    """The output folder exists (or is created) and is writable: checked before the run, not after it."""
+    """The output folder is writable (or can be created): checked before the run, not after it, and
+    without creating anything, so that a run refused later leaves the user's files as they were."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise CommandError(f"--output-dir {path} is a file, not a folder.")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf_tangent_write_test"):  # one per process
-            pass
-    except OSError as err:
-        raise CommandError(f"--output-dir {path} is not writable ({err.strerror}).") from None
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CommandError(f"--output-dir {path}: {existing} is a file, not a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CommandError(f"--output-dir {path} is not writable ({existing} does not allow writing).")
 
 
 def check_text_files(*groups) -> None:

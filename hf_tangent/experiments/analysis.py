@@ -9,6 +9,7 @@ import torch
 from ..ablation import VARIANTS as ABLATIONS
 from ..ablation import forward_passes, run_ablation
 from ..config import TangentConfig
+from ..data import TextSource
 from ..diagnostics import QUANTITIES, diagnose
 from ..evaluation import update_variants
 from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
@@ -16,12 +17,12 @@ from ..patching import patch
 from ..registry import architecture, decoder_layers
 from ..reports import Report
 from ..timing import interleaved_ratio
-from .common import Clock, environment, progress_bar, resolve_model, source, windows
+from .common import Clock, environment, progress_bar, resolve_model, windows
 
 
 def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *, calibration=False):
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
-    text = source(text)
+    text = TextSource.of(text)
     docs = text.calibration_only_documents() if calibration else text.evaluation_documents()
     env = environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)
     return model, tokenizer, name, text, windows(model, tokenizer, docs, seq_len, max_windows), env

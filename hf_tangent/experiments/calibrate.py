@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..config import TangentConfig
+from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity
 from ..hub import push_to_hub as push_folder
 from ..hub import save_hub_folder
@@ -21,7 +22,7 @@ from ..training import (
     train,
     training_summary,
 )
-from .common import Clock, environment, progress_bar, resolve_model, source, windows
+from .common import Clock, environment, progress_bar, resolve_model, windows
 
 
 def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
@@ -44,7 +45,7 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
     """
     tangent = TangentConfig(update=update, layers=layers, gates=True)  # validated before any work
     args = training_args or TangentTrainingArguments()
-    text = source(text)
+    text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     tangent.resolve_layers(len(decoder_layers(model)))
     held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from .._version import __version__
-from ..data import TextSource, pack_windows
+from ..data import pack_windows
 
 
 def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "float32", device: str | None = None,
@@ -45,10 +45,6 @@ def windows(model, tokenizer, documents: list[str], seq_len: int, max_windows: i
 def environment(device, dtype, seed) -> dict:
     return {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed}
-
-
-def source(text) -> TextSource:
-    return TextSource.of(text)
 
 
 @contextmanager

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity, update_variants
 from ..patching import disabled, get_config
 from ..reports import Report
-from .common import Clock, environment, progress_bar, resolve_model, source, windows
+from .common import Clock, environment, progress_bar, resolve_model, windows
 
 
 def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None = None, seq_len: int = 512,
@@ -23,7 +24,7 @@ def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None 
         dtype, device, seed: for a model loaded by name.
     """
     names = list(update_variants()) if rules is None else list(rules)
-    text = source(text)
+    text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     held_out = windows(model, tokenizer, text.evaluation_documents(), seq_len, max_windows)
     loaded = get_config(model)

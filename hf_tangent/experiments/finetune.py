@@ -9,13 +9,14 @@ import math
 import os
 import statistics
 
+from ..data import TextSource
 from ..evaluation import perplexity, update_variants
 from ..hub import save_hub_folder
 from ..patching import patch
 from ..reports import Report
 from ..stats import paired_summary
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
-from .common import Clock, environment, resolve_model, source, windows
+from .common import Clock, environment, resolve_model, windows
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
 
@@ -96,7 +97,7 @@ def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RUL
         raise ValueError(f"unknown update variants {unknown}; accepted: {', '.join(variants)}.")
     args = training_args or FinetuneTrainingArguments()
     lora = lora or LoraSettings()
-    text = source(text)
+    text = TextSource.of(text)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
