@@ -10,6 +10,7 @@ Importing this package changes nothing: every patch is per model instance. The r
 from ._version import __version__
 from .config import TangentConfig
 from .data import TextSource
+from .discovery import describe
 from .hub import push_to_hub, save_hub_folder
 from .models import load_model
 from .parallel import parallelize
@@ -47,6 +48,7 @@ __all__ = [
     "patch",
     "push_to_hub",
     "register_architecture",
+    "describe",
     "save_hub_folder",
     "save_pretrained",
     "supported_model_types",

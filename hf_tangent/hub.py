@@ -21,7 +21,7 @@ from .wrappers import model_class, unwrap
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REMOTE_CODE_MODULES = ("_version.py", "calls.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
-                       "wrappers.py", "layer.py", "patching.py")
+                       "discovery.py", "wrappers.py", "layer.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CLASS = "TangentForCausalLM"
 CARD_TEMPLATE = "hf_tangent_model_card.md"  # in the package data hf_tangent.model_cards (the top-level model_cards/)
@@ -38,6 +38,7 @@ from transformers import {base} as _Base
 from ._version import __version__  # noqa: F401
 from .calls import call_key  # noqa: F401
 from .config import TangentConfig
+from .discovery import describe  # noqa: F401
 from .fused import fused_residual_delta  # noqa: F401
 from .fused_parallel import FusedParallelExecution  # noqa: F401
 from .layer import TangentLayer  # noqa: F401

@@ -44,6 +44,9 @@ class TangentLayer(nn.Module):
         self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
         self.attention_branch = update and "attention" in config.branches and config.update != "add"
         self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
+        self.spec: ArchitectureSpec | None = None  # set by prepare
+        self.scale = 1.0  # s in out = r + s * ffn_out(...) (residual multipliers)
+        self.exact_in_training = True  # False: dropout acts after ffn_out, so only eval mode is exact
         self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
         # the submodule roles whose hooks must fire in every call of the layer
         self.roles = tuple(role for role, needed in (
@@ -73,6 +76,12 @@ class TangentLayer(nn.Module):
 
     # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them)
     def _enter(self, module, args, kwargs):
+        if module.training and not self.exact_in_training and self.applies_update:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(module).__name__}) applies dropout after the module whose "
+                f"output it adds ({self.spec.ffn_out_path}), so the patch is exact in eval mode only; set the "
+                "model's dropout probabilities to 0 (e.g. config.dropout=0.0 when building it) to train it patched."
+            )
         self._calls[call_key()] = {"layer": True}
 
     def _exit(self, module, args, output):
@@ -120,9 +129,13 @@ class TangentLayer(nn.Module):
         x = None if state is None else state.pop("attention_x", None)
         if x is None:
             return None
-        if isinstance(output, tuple):
-            return (self(x, output[0]),) + tuple(output[1:])
-        return self(x, output)
+        return self._scaled(x, output)
+
+    def _scaled(self, x, output):
+        """The layer adds s * output: the rule sees y = s * output and returns (x_next - x) / s."""
+        y = output[0] if isinstance(output, tuple) else output
+        delta = self(x, y) if self.scale == 1.0 else self(x, y * self.scale) / self.scale
+        return (delta,) + tuple(output[1:]) if isinstance(output, tuple) else delta
 
     def _record_x(self, module, args, kwargs):
         state = self._state("ffn_norm")
@@ -144,12 +157,11 @@ class TangentLayer(nn.Module):
         x = None if state is None else state.pop("x", None)
         if x is None:  # the FFN called on its own, outside the layer's forward: leave it alone
             return None
-        if isinstance(output, tuple):
-            return (self(x, output[0]),) + tuple(output[1:])
-        return self(x, output)
+        return self._scaled(x, output)
 
-    def prepare(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+    def prepare(self, spec: ArchitectureSpec, layer: nn.Module, *, exact_in_training: bool = True) -> None:
         """Everything that can fail, before the model is touched."""
+        self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
         if self.config.implementation == "triton":
             _load_triton()
         if self.parallel and self.config.parallel_execution == "fused":
@@ -160,7 +172,8 @@ class TangentLayer(nn.Module):
         if param is not None and self.gate is not None:
             self.to(device=param.device)
 
-    def install(self, spec: ArchitectureSpec, layer: nn.Module) -> None:
+    def install(self, layer: nn.Module) -> None:
+        spec = self.spec
         if self.fused_execution is not None:
             self.fused_execution.install()
         if "input_norm" in self.roles:

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from .config import TangentConfig
+from .discovery import require_verified, resolve_spec
 from .layer import TangentLayer
-from .registry import ArchitectureSpec, get_spec
+from .registry import ArchitectureSpec
 from .wrappers import ddp_wrapper_of, sharding_engine, unwrap
 
 CHILD_NAME = "tangent_patch"
@@ -69,7 +70,7 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise ValueError(f"hf_tangent: {type(model).__name__} has no config.model_type; pass a transformers model.")
-    spec = get_spec(model_type)
+    spec = resolve_spec(model)
     layers = spec.decoder_layers(model)
     first = {}
     for i, layer in enumerate(layers):
@@ -82,9 +83,21 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
                 f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
                 "by another patching tool; hf_tangent only patches unmodified layers."
             )
-        for role in ("input_norm", "attention", "attention_out", "ffn_norm", "ffn_out"):
+        for role in ("ffn_norm", "ffn_out"):
             spec.submodule(layer, role)
     return spec, layers
+
+
+def _verify(model, spec: ArchitectureSpec, layers, config: TangentConfig, updated: set, parallel: set):
+    """The numeric check of where the update lands (discovery.py); None on a meta-device model built
+    from a saved patch (remote code inside from_pretrained), which was verified when it was saved."""
+    if any(p.is_meta for p in model.parameters()):
+        if spec.source == "registry" or getattr(model.config, CONFIG_KEY, None):
+            return None
+        raise ValueError("hf_tangent: this model's weights are on the meta device, so its architecture cannot be "
+                         "discovered and verified; load the weights first.")
+    attention = parallel | (updated if "attention" in config.branches and config.update != "add" else set())
+    return require_verified(model, spec, layers, needs_attention=sorted(attention))
 
 
 def _has_foreign_forward(layer: nn.Module) -> bool:
@@ -135,10 +148,10 @@ def _remove(model, state: _PatchState) -> None:
         delattr(model.config, CONFIG_KEY)
 
 
-def _apply(model, spec: ArchitectureSpec | None, state: _PatchState) -> None:
+def _apply(model, state: _PatchState) -> None:
     for layer, child in state.children:
         layer.add_module(CHILD_NAME, child)
-        child.install(spec or get_spec(model.config.model_type), layer)
+        child.install(layer)
     if state.config is not None:
         vars(model)[_MODEL_ATTR] = state.config
     if state.record is not None:
@@ -191,28 +204,29 @@ def patch(model, config: TangentConfig):
             stacklevel=2,
         )
         parallel -= set(already)
+    verification = _verify(model, spec, layers, config, updated, parallel)
     children = []
     for i in sorted(updated | parallel):
         child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)
-        child.prepare(spec, layers[i])
+        child.prepare(spec, layers[i], exact_in_training=verification is None or verification.ffn_in_training[i])
         children.append((layers[i], child))
     record = {"config": config.to_dict(), "model_type": model.config.model_type, "num_layers": num_layers,
-              "patched_layers": sorted(updated), "parallel_layers": sorted(parallel)}
-    _commit(model, spec, _PatchState(children, config, record))
+              "patched_layers": sorted(updated), "parallel_layers": sorted(parallel), "architecture": spec.to_dict()}
+    _commit(model, _PatchState(children, config, record))
     return model
 
 
-def _commit(model, spec, new: _PatchState) -> None:
+def _commit(model, new: _PatchState) -> None:
     previous = _snapshot(model)
     replaced = []
     try:
         _remove(model, previous)
         replaced = _own_config(model)
-        _apply(model, spec, new)
+        _apply(model, new)
     except BaseException:
         _remove(model, _snapshot(model))
         _restore_config(model, replaced)
-        _apply(model, None, previous)
+        _apply(model, previous)
         raise
 
 
@@ -254,7 +268,7 @@ def disabled(model):
         yield model
     finally:
         _remove(base, _snapshot(base))  # a patch applied inside the block does not survive it
-        _apply(base, None, state)
+        _apply(base, state)
 
 
 def get_config(model) -> TangentConfig | None:

@@ -1,11 +1,16 @@
 """Architecture registry: where a decoder's layers and their submodules live, keyed by `model_type`.
 
 Supporting one more architecture is one `register_architecture(...)` call (see the entries at
-the bottom). Paths are attribute paths, dotted, relative to the model (layers) or a layer.
+the bottom); a `model_type` without an entry is discovered from its module tree (discovery.py).
+Every spec, registered or discovered, is verified numerically on the model before it is patched.
+Paths are attribute paths, dotted, relative to the model (layers) or a layer; "a|b" means the
+first of them that the layer has, "ClassA=a|ClassB=b" the one for the layer's class (hybrids whose
+roles differ per layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -15,20 +20,38 @@ from torch import nn
 class ArchitectureSpec:
     model_type: str
     layers: str  # ModuleList of decoder layers, from the *ForCausalLM model (its base model also works)
-    input_norm: str  # its input is the block input (recorded for parallel-residual conversion)
-    attention: str
+    input_norm: str | None  # its input is the block input (recorded for parallel-residual conversion)
+    attention: str | None  # None: the mixer could not be located (no parallel conversion, no attention branch)
     ffn_norm: str  # its input is the residual x that the FFN update is added to
-    mlp: str
+    mlp: str | None  # the FFN as one module, mlp(ffn_norm(x)); None when it is not one module (OPT's fc1/fc2)
     ffn_out: str | None = None  # module whose output the layer adds to the residual; default: mlp
     attention_out: str | None = None  # module whose output is the attention update added; default: attention
     parallel_attr: str | None = None  # layer attribute that is True on a parallel block (GPT-NeoX)
+    parallel: bool = False  # every layer is a parallel block: out = h + attention(h) + ffn(h) (GPT-J, Phi)
+    residual_scale: str | None = None  # layer attribute s in out = r + s * ffn_out(...) (Granite, MiniCPM3)
     # Optional fused parallel execution (fused_parallel.py): Linear input projections, relative to the layer.
     fused_attention_in: tuple[str, ...] = ()
     fused_ffn_in: tuple[str, ...] = ()
+    source: str = "registry"  # "registry" or "discovered"
+
+    def __post_init__(self):
+        if self.ffn_out is None and self.mlp is None:
+            raise ValueError(f"hf_tangent: the spec of '{self.model_type}' names neither mlp nor ffn_out.")
 
     @property
     def ffn_out_path(self) -> str:
         return self.ffn_out or self.mlp
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ArchitectureSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"hf_tangent: unknown ArchitectureSpec fields {unknown}.")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layers of a causal LM or of its base model."""
@@ -49,7 +72,12 @@ class ArchitectureSpec:
             path = self.attention_out or self.attention
         else:
             path = getattr(self, role)
-        module = _get(layer, path)
+        if path is None:
+            raise ValueError(
+                f"hf_tangent: the '{self.model_type}' spec has no {role} role ({self.source}), so this "
+                "operation (parallel conversion, attention branch, sensitivity) is not available for it."
+            )
+        module = next((m for m in (_get(layer, p) for p in _alternatives(path, layer)) if isinstance(m, nn.Module)), None)
         if not isinstance(module, nn.Module):
             raise ValueError(
                 f"hf_tangent: {type(layer).__name__} has no submodule '{path}' ({role}) that the "
@@ -58,7 +86,27 @@ class ArchitectureSpec:
         return module
 
     def is_parallel(self, layer: nn.Module) -> bool:
-        return bool(self.parallel_attr and getattr(layer, self.parallel_attr, False))
+        return self.parallel or bool(self.parallel_attr and getattr(layer, self.parallel_attr, False))
+
+    def scale(self, layer: nn.Module) -> float:
+        """s in out = r + s * ffn_out(...); 1.0 without a residual multiplier."""
+        if self.residual_scale is None:
+            return 1.0
+        value = getattr(layer, self.residual_scale, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+            raise ValueError(f"hf_tangent: {type(layer).__name__}.{self.residual_scale} = {value!r} is not a "
+                             f"non-zero number, as the '{self.model_type}' spec's residual_scale must be.")
+        return float(value)
+
+
+def _alternatives(path: str, layer: nn.Module) -> list[str]:
+    """'a|b': try a, then b. 'ClassA=a|ClassB=b': the path for this layer's class (discovered hybrids)."""
+    found = []
+    for option in path.split("|"):
+        owner, _, sub = option.rpartition("=")
+        if not owner or owner == type(layer).__name__:
+            found.append(sub)
+    return found
 
 
 def _get(root: nn.Module, path: str):
@@ -71,6 +119,8 @@ def _get(root: nn.Module, path: str):
 
 
 _REGISTRY: dict[str, ArchitectureSpec] = {}
+_DISCOVERED: dict[type, ArchitectureSpec] = {}  # model class -> spec found by discovery.py
+_RECORD_KEY = "hf_tangent"  # the patch record in model.config (patching.CONFIG_KEY)
 
 
 def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bool = False, **fields) -> ArchitectureSpec:
@@ -93,13 +143,34 @@ def get_spec(model_type: str) -> ArchitectureSpec:
     except KeyError:
         raise ValueError(
             f"hf_tangent: model_type '{model_type}' is not supported; supported: "
-            f"{', '.join(supported_model_types())}. Add one with hf_tangent.register_architecture(...)."
+            f"{', '.join(supported_model_types())}, and any model_type whose spec hf_tangent.patch discovers and "
+            "verifies. Add one with hf_tangent.register_architecture(...)."
         ) from None
 
 
+def get_registered(model) -> ArchitectureSpec | None:
+    """The spec of a model without running anything: its registry entry, the spec discovered for its
+    class, or the one saved in its patch record; None when it has to be discovered."""
+    model_type = model.config.model_type
+    if model_type in _REGISTRY:
+        return _REGISTRY[model_type]
+    spec = _DISCOVERED.get(type(model))
+    if spec is not None and spec.model_type == model_type:
+        return spec
+    saved = (getattr(model.config, _RECORD_KEY, None) or {}).get("architecture")
+    if isinstance(saved, dict) and saved.get("model_type") == model_type:
+        return ArchitectureSpec.from_dict(saved)
+    return None
+
+
+def remember_discovered(model, spec: ArchitectureSpec) -> ArchitectureSpec:
+    _DISCOVERED[type(model)] = spec
+    return spec
+
+
 def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
-    """(spec, decoder layers) of a supported model: the one place a model's architecture is resolved."""
-    spec = get_spec(model.config.model_type)
+    """(spec, decoder layers) of a supported or patched model: the one place a model's architecture is resolved."""
+    spec = get_registered(model) or get_spec(model.config.model_type)
     return spec, spec.decoder_layers(model)
 
 

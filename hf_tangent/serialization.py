@@ -22,7 +22,7 @@ import torch
 
 from .config import TangentConfig
 from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers
-from .registry import architecture
+from .registry import ArchitectureSpec, architecture
 from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
@@ -58,6 +58,11 @@ def _check_record(record, where: str) -> dict:
             _fail(where, f"field '{CONFIG_KEY}.{name}' must list layer indices >= 0, got {value!r}.")
     if record["num_layers"] < 1:
         _fail(where, f"field '{CONFIG_KEY}.num_layers' must be >= 1, got {record['num_layers']!r}.")
+    if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)
+        try:
+            ArchitectureSpec.from_dict(record["architecture"])
+        except (TypeError, ValueError, AttributeError) as err:
+            _fail(where, f"field '{CONFIG_KEY}.architecture' is not an architecture spec: {err}")
     return record
 
 

@@ -225,13 +225,15 @@ def assert_untouched(model, ids, reference):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def test_unsupported_model_type_is_a_clear_error(ids):
+def test_post_ln_model_is_refused_by_discovery(ids):
     from transformers import BertConfig, BertForMaskedLM
 
     model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=64))
-    with pytest.raises(ValueError, match=r"model_type 'bert' is not supported; supported: .*gpt2.*llama"):
+    with pytest.raises(ValueError, match=r"model_type 'bert' has no registry entry and discovery failed: in layer 0 "
+                                         r"\(BertLayer\), .*post-LN.*register_architecture"):
         ht.patch(model, ht.TangentConfig(update="projected"))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_out_of_range_layers_leave_model_unpatched(ids):

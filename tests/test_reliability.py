@@ -152,11 +152,11 @@ def test_install_failure_rolls_back(monkeypatch, ids):
     calls = {"n": 0}
     original = ht.TangentLayer.install
 
-    def failing(self, spec, layer):
+    def failing(self, layer):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated failure while installing")
-        return original(self, spec, layer)
+        return original(self, layer)
 
     monkeypatch.setattr(ht.TangentLayer, "install", failing)
     with pytest.raises(RuntimeError, match="simulated"):

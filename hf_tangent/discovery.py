@@ -1,0 +1,437 @@
+"""Discovery and verification: where a decoder layer adds its FFN update, found and checked numerically.
+
+Names are never trusted (gemma3 has all four Llama child names, and a Llama spec would put the
+update on its attention output). Both steps run one probe forward (a few tokens, no grad, eval
+mode, the model's own patch switched off) with hooks that record what each submodule receives
+and returns, then test the layer's arithmetic on those tensors:
+
+    sequential   out == r + s * f        r = input of the pre-FFN norm, f = output of ffn_out
+    parallel     out == h + s * (a + f)  h = block input, a = output of attention_out
+
+`discover` searches the recorded calls for modules that satisfy these equations; `verify` checks
+a spec's modules against them on every layer, in eval mode and (for dropout after ffn_out) in
+training mode. Results are cached per model class and config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import torch
+from torch import nn
+
+from .registry import ArchitectureSpec, get_registered, remember_discovered
+
+_VERIFIED: dict = {}  # (model class, spec, config) -> Verification
+_PROBE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """Per layer: the FFN equation holds (eval mode), also in training mode, the attention equation holds."""
+
+    ffn: tuple[bool, ...]
+    ffn_in_training: tuple[bool, ...]
+    attention: tuple[bool, ...]
+    detail: tuple[str, ...]  # why a layer's FFN check failed ("" when it passed)
+
+
+# ----------------------------------------------------------------------------- probing
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool):
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _probe_ids(model) -> torch.Tensor:
+    embeddings = model.get_input_embeddings()
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None) or embeddings.weight.shape[0]
+    ids = [1 + (37 * i + 11) % max(vocab - 2, 1) for i in range(_PROBE_TOKENS)]
+    return torch.tensor([ids], device=embeddings.weight.device)
+
+
+@contextlib.contextmanager
+def _probing(model, *, training: bool = False, seed: int = 0):
+    """The model as the probe sees it: its patch off, eval (or training) mode, no grad, RNG untouched."""
+    from .patching import disabled  # patching imports this module
+
+    with disabled(model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _probe(model, layers: nn.ModuleList, modules_of) -> list[dict]:
+    """One forward with recording hooks (inside `_probing`): per layer, its input h, output, and
+    {name: [[input, output, module, args, kwargs], ...]} for the submodules `modules_of(layer)` yields."""
+    records = [{"h": None, "out": None, "calls": {}, "order": []} for _ in layers]
+    handles = []
+
+    def on_layer_in(rec):
+        def hook(module, args, kwargs):
+            if rec["h"] is None:
+                rec["h"] = _first_tensor(args) if args else kwargs.get("hidden_states")
+        return hook
+
+    def on_layer_out(rec):
+        def hook(module, args, output):
+            if rec["out"] is None:
+                rec["out"] = _first_tensor(output)
+        return hook
+
+    def on_call(rec, name):
+        def pre(module, args, kwargs):
+            x = _first_tensor(args) if args else _first_tensor(next(iter(kwargs.values()), None))
+            rec["calls"].setdefault(name, []).append([x, None, module, args, kwargs])
+            rec["order"].append(name)
+
+        def post(module, args, output):
+            rec["calls"][name][-1][1] = _first_tensor(output)
+        return pre, post
+
+    try:
+        for layer, rec in zip(layers, records, strict=True):
+            handles.append(layer.register_forward_pre_hook(on_layer_in(rec), with_kwargs=True))
+            handles.append(layer.register_forward_hook(on_layer_out(rec)))
+            for name, module in modules_of(layer):
+                pre, post = on_call(rec, name)
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(post))
+        model(input_ids=_probe_ids(model), use_cache=False)
+    except Exception as error:
+        raise ValueError(f"hf_tangent: the probe forward that verifies where the FFN update is added failed "
+                         f"on {type(model).__name__}: {type(error).__name__}: {error}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records
+
+
+def _like(t: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """A hidden-state tensor of the layer, possibly flattened to (tokens, d) as OPT does."""
+    return t is not None and t.numel() == out.numel() and t.shape[-1] == out.shape[-1]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to a few roundings in the model's dtype (the layer may sum in another order)."""
+    if actual is None or expected is None or not _like(actual, expected):
+        return False
+    actual, expected = actual.double().reshape(expected.shape), expected.double()
+    tol = 16 * torch.finfo(torch.float32 if actual.dtype == torch.float64 else actual.dtype).eps
+    scale = expected.abs().amax().item() + 1e-30
+    return bool((actual - expected).abs().amax().item() <= tol * scale)
+
+
+def _once(rec: dict, name: str):
+    calls = rec["calls"].get(name, [])
+    return calls[0] if len(calls) == 1 and calls[0][0] is not None and calls[0][1] is not None else None
+
+
+def _positionwise(call) -> bool:
+    """Does the module act on each token alone (an FFN), unlike a mixer? Called again with the first
+    token's input changed: the other tokens' outputs must not move. False when it cannot be re-run."""
+    x, y, module, args, kwargs = call
+    if x.dim() < 2 or x.numel() // x.shape[-1] < 2:
+        return False
+    changed = x.clone()
+    if x.dim() == 2:
+        changed[0] = changed[0] * 2 + 1
+    else:
+        changed[..., 0, :] = changed[..., 0, :] * 2 + 1
+    if args:
+        args = (changed,) + tuple(args[1:])
+    else:
+        first = next(iter(kwargs))
+        kwargs = {**kwargs, first: changed}
+    try:
+        again = _first_tensor(module(*args, **kwargs))
+    except Exception:
+        return False
+    if again is None or again.shape != y.shape:
+        return False
+    rest = (lambda t: t[1:]) if y.dim() == 2 else (lambda t: t[..., 1:, :])
+    return torch.equal(rest(again), rest(y)) or _close(rest(again), rest(y))
+
+
+def _norm_like(module: nn.Module, d: int) -> bool:
+    """A norm (or other per-channel map): at most 2 * d parameters."""
+    return sum(p.numel() for p in module.parameters()) <= 2 * d
+
+
+# ----------------------------------------------------------------------------- verification
+def verify(model, spec: ArchitectureSpec, layers: nn.ModuleList) -> Verification:
+    """Check the spec's modules against the layer arithmetic on every layer (cached per class and config)."""
+    key = _cache_key(model, spec)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+
+    def roles_of(layer):
+        for role in ("input_norm", "attention", "attention_out", "ffn_norm", "mlp", "ffn_out"):
+            with contextlib.suppress(ValueError):
+                yield role, spec.submodule(layer, role)
+
+    def check(rec, layer, *, training=False):
+        h, out, s = rec["h"], rec["out"], spec.scale(layer)
+        norm, ffn, attn = _once(rec, "ffn_norm"), _once(rec, "ffn_out"), _once(rec, "attention_out")
+        if out is None or h is None:
+            return False, False, "the layer's input or output is not a tensor"
+        if norm is None or ffn is None:
+            role = "ffn_norm" if norm is None else "ffn_out"
+            path = spec.ffn_norm if norm is None else spec.ffn_out_path
+            return False, False, f"its {role} module '{path}' was not called exactly once"
+        f = ffn[1]
+        if f.abs().amax().item() == 0:
+            return False, False, "its FFN output is exactly zero, so the probe cannot tell where it is added"
+        if spec.is_parallel(layer):
+            ok = _close(norm[0], h) and attn is not None and _close(out, h + s * (attn[1].reshape(f.shape) + f))
+            if not ok:
+                return False, False, "out != h + s * (attention_out + ffn_out) with h the block input (parallel block)"
+            if not training:  # which branch is which: the FFN acts per token, the attention mixes tokens
+                mixer, ffn_root = _once(rec, "attention"), _once(rec, "mlp") or ffn
+                if not _positionwise(ffn_root) or (mixer is not None and _positionwise(mixer)):
+                    return False, False, ("its attention and FFN roles are swapped: the FFN module must act on "
+                                          "each token alone and the attention module must mix tokens")
+            return True, True, ""
+        ok = _close(out, norm[0].reshape(out.shape) + s * f.reshape(out.shape))
+        if ok and not training and not _positionwise(_once(rec, "mlp") or ffn):
+            return False, False, (f"the module it adds ('{spec.mlp or spec.ffn_out_path}') mixes tokens: it is a "
+                                  "mixer (attention, Mamba), not an FFN")
+        attention = attn is not None and _close(norm[0], h + s * attn[1].reshape(h.shape))
+        why = "" if ok else (f"out != r + s * ffn_out(...) with r the input of '{spec.ffn_norm}' and ffn_out "
+                             f"'{spec.ffn_out_path}' (s = {s:g})")
+        return ok, attention, why
+
+    with _probing(model):
+        records = _probe(model, layers, roles_of)
+        results = [check(rec, layer) for rec, layer in zip(records, layers, strict=True)]
+    training = [ok for ok, _, _ in results]
+    if any(training) and _has_dropout(model):
+        with _probing(model, training=True):
+            records = _probe(model, layers, roles_of)
+            training = [ok and check(rec, layer, training=True)[0]
+                        for rec, layer, ok in zip(records, layers, training, strict=True)]
+    verification = Verification(ffn=tuple(r[0] for r in results), ffn_in_training=tuple(training),
+                                attention=tuple(r[1] for r in results), detail=tuple(r[2] for r in results))
+    _VERIFIED[key] = verification
+    return verification
+
+
+def _has_dropout(model) -> bool:
+    """Dropout that could act in training mode: a module with p > 0 or a config probability > 0."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = model.config.get_text_config().to_dict()
+    return any("dropout" in k and isinstance(v, float) and v > 0 for k, v in config.items())
+
+
+def _cache_key(model, spec):
+    from .patching import CONFIG_KEY
+
+    config = {k: v for k, v in model.config.to_dict().items() if k != CONFIG_KEY}
+    dtype = next((p.dtype for p in model.parameters()), None)
+    return type(model), spec, json.dumps(config, sort_keys=True, default=str), dtype
+
+
+def require_verified(model, spec: ArchitectureSpec, layers: nn.ModuleList, *, needs_attention: list[int]) -> Verification:
+    """Verify, and refuse with the failed check and how to register the architecture by hand."""
+    verification = verify(model, spec, layers)
+    failed = [i for i, ok in enumerate(verification.ffn) if not ok]
+    if failed:
+        i = failed[0]
+        raise ValueError(
+            f"hf_tangent: model_type '{model.config.model_type}' ({type(layers[i]).__name__}, {spec.source} spec) "
+            f"did not verify: in layer {i}, {verification.detail[i]}. hf_tangent patches decoder layers whose "
+            "output is the residual plus the FFN update (pre-norm, sandwich-norm, parallel or residual-scaled "
+            "blocks; not post-LN blocks, blocks without an FFN, or extra streams). If the layer does compute "
+            "that, name its submodules with hf_tangent.register_architecture(model_type=..., layers=..., "
+            "input_norm=..., attention=..., ffn_norm=..., mlp=..., ffn_out=...); hf_tangent.describe(model) "
+            "shows what was found."
+        )
+    unverified = [i for i in needs_attention if not verification.attention[i]]
+    if unverified:
+        raise ValueError(
+            f"hf_tangent: in layers {unverified} of this '{model.config.model_type}' model the attention branch "
+            "could not be verified (h + attention_out(...) is not the residual the FFN sees), so parallel "
+            "conversion and the attention branch are refused there."
+        )
+    return verification
+
+
+# ----------------------------------------------------------------------------- discovery
+def _depth(name: str) -> int:
+    return name.count(".")
+
+
+def _layer_list(model) -> tuple[str, nn.ModuleList]:
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    candidates = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, nn.ModuleList) and len(m) and all(any(True for _ in x.parameters()) for x in m)]
+    exact = [c for c in candidates if len(c[1]) == n] or candidates
+    if not exact:
+        raise ValueError(f"hf_tangent: found no list of decoder layers in {type(model).__name__}.")
+    return max(exact, key=lambda c: sum(p.numel() for p in c[1].parameters()))
+
+
+def _find_roles(rec: dict, layer: nn.Module) -> dict | str:
+    """The spec fields of one layer from its recorded calls (inside `_probing`), or why none fit."""
+    h, out = rec["h"], rec["out"]
+    if h is None or out is None or not _like(h, out):
+        return "its input or output is not a hidden-state tensor of one shape"
+    h, d = h.reshape(out.shape), out.shape[-1]
+    order = {name: rec["order"].index(name) for name in rec["calls"]}
+    single = {name: c for name in order if (c := _once(rec, name)) is not None}
+    outs = sorted((n for n, c in single.items() if _like(c[1], out) and c[1].abs().amax() > 0),
+                  key=lambda n: (_depth(n), order[n]))
+    ins = [n for n, c in single.items() if _like(c[0], out)]
+    scales = {name: float(v) for name, v in vars(layer).items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1)}
+
+    def value(name, i):  # a call's input (0) or output (1) as a hidden-state tensor
+        return single[name][i].reshape(out.shape)
+
+    def feeds(src: str, dst: str) -> bool:  # src's output is dst's input
+        a, b = single[src][1], single[dst][0]
+        return a is b or (_like(a, b) and torch.equal(a.reshape(b.shape), b))
+
+    def nested(a: str, b: str) -> bool:
+        return a.startswith(b + ".") or b.startswith(a + ".")
+
+    def is_norm(name: str) -> bool:
+        return _norm_like(single[name][2], d)
+
+    def attention_roles(a_name: str) -> dict:
+        feeder = [n for n in single if order[n] < order[a_name] and _depth(n) == _depth(a_name) and feeds(n, a_name)]
+        attention = feeder[-1] if feeder and not is_norm(feeder[-1]) else a_name  # sandwich: mixer -> post-norm
+        norms = [n for n in single if order[n] < order[attention] and _close(single[n][0], h) and feeds(n, attention)]
+        input_norm = norms[-1] if norms else attention if _close(single[attention][0], h) else None
+        return {"attention": attention, "attention_out": None if attention == a_name else a_name, "input_norm": input_norm}
+
+    def ffn_roles(norm: str, f_name: str) -> dict:
+        if norm == f_name or not is_norm(norm):  # no separate pre-FFN norm: the module reading r is the FFN
+            return {"ffn_norm": norm, "mlp": None, "ffn_out": f_name}
+        if feeds(norm, f_name):
+            return {"ffn_norm": norm, "mlp": f_name, "ffn_out": None}
+        inner = [n for n in single if order[norm] < order[n] < order[f_name] and feeds(norm, n) and feeds(n, f_name)
+                 and any(True for _ in single[n][2].children())]  # a whole FFN, not fc1 with an identity-like act
+        return {"ffn_norm": norm, "mlp": inner[0] if inner else None, "ffn_out": f_name}
+
+    # sequential: out = r + s * f, r the input of the pre-FFN norm
+    for f_name in outs:
+        f = value(f_name, 1)
+        readers = sorted((n for n in ins if order[n] <= order[f_name] and (n == f_name or not nested(n, f_name))),
+                         key=lambda n: (_depth(n), -order[n]))
+        for norm in readers:
+            r = value(norm, 0)
+            if _close(out, r + f):
+                scale, s = None, 1.0
+            else:
+                fit = ((out - r).double() * f.double()).sum() / (f.double() * f.double()).sum()
+                named = [k for k, v in scales.items() if abs(v - fit.item()) <= 1e-4 * abs(v) and _close(out, r + v * f)]
+                if not named:
+                    continue
+                scale, s = named[0], scales[named[0]]
+            ffn = ffn_roles(norm, f_name)
+            root = ffn["mlp"] or (f_name if is_norm(norm) else norm)  # the module that computes the FFN
+            path = [n for n in single if order[norm] < order[n] < order[root]] + [root]
+            if not all(_positionwise(single[n]) for n in path):
+                continue  # a mixer (Mamba, attention) adds this update, not an FFN
+            attention = next((a for a in outs if order[a] < order[norm] and not nested(a, norm) and a != norm
+                              and _close(r, h + s * value(a, 1))), None)
+            roles = attention_roles(attention) if attention else {"attention": None, "attention_out": None, "input_norm": None}
+            return {**roles, **ffn, "residual_scale": scale, "parallel": False}
+    # parallel: out = h + a + f, the FFN acting on each token alone and the attention mixing them
+    for f_name in outs:
+        readers = [n for n in ins if order[n] <= order[f_name] and _close(single[n][0], h)
+                   and (n == f_name or (not nested(n, f_name) and feeds(n, f_name)))]
+        if not readers or not _positionwise(single[f_name]):
+            continue
+        for a_name in outs:
+            if a_name != f_name and not nested(a_name, f_name) and _close(out, h + value(a_name, 1) + value(f_name, 1)):
+                if _positionwise(single[a_name]):
+                    continue
+                return {**attention_roles(a_name), **ffn_roles(readers[-1], f_name), "residual_scale": None, "parallel": True}
+    why = "no submodules satisfy out = r + ffn(...) (sequential) or out = h + attention(h) + ffn(h) (parallel)"
+    centred = out.double() - out.double().mean(-1, keepdim=True)
+    if centred.abs().amax() > 0 and (centred.pow(2).mean(-1).sqrt() - 1).abs().amax() < 0.1:
+        why += "; its output is normalised per token, as in a post-LN block (norm(r + ffn(...)))"
+    return why
+
+
+def discover(model) -> ArchitectureSpec:
+    """Infer the spec of an unregistered `model_type` from the module tree and one probe forward."""
+    model_type = model.config.model_type
+    layers_path, layers = _layer_list(model)
+    by_class: dict[type, dict] = {}  # layer class -> its roles (hybrids have several classes)
+    with _probing(model):
+        records = _probe(model, layers, lambda layer: ((n, m) for n, m in layer.named_modules() if n))
+        for i, (layer, rec) in enumerate(zip(layers, records, strict=True)):
+            if type(layer) in by_class:
+                continue
+            roles = _find_roles(rec, layer)
+            if isinstance(roles, str):
+                raise ValueError(
+                    f"hf_tangent: model_type '{model_type}' has no registry entry and discovery failed: in layer {i} "
+                    f"({type(layer).__name__}), {roles}. hf_tangent patches decoder layers whose output is the "
+                    "residual plus the FFN update; if this one is, register it by hand with "
+                    "hf_tangent.register_architecture(...)."
+                )
+            by_class[type(layer)] = {**roles, "ffn_out": roles["ffn_out"] or roles["mlp"],
+                                     "attention_out": roles["attention_out"] or roles["attention"]}
+    fields = {}
+    for name in ("input_norm", "attention", "attention_out", "ffn_norm", "mlp", "ffn_out", "residual_scale", "parallel"):
+        values = list(dict.fromkeys(roles[name] for roles in by_class.values()))
+        if name in ("parallel", "residual_scale") and len(values) > 1:
+            raise ValueError(f"hf_tangent: model_type '{model_type}' mixes layer kinds that differ in {name}; "
+                             "register it by hand with hf_tangent.register_architecture(...).")
+        # a role that differs per layer class is named per class: "ClassA=path|ClassB=path"
+        keyed = "|".join(f"{cls.__name__}={roles[name]}" for cls, roles in by_class.items() if roles[name] is not None)
+        fields[name] = values[0] if len(values) == 1 else keyed or None
+    if fields["ffn_out"] == fields["mlp"]:
+        fields["ffn_out"] = None
+    if fields["attention_out"] == fields["attention"]:
+        fields["attention_out"] = None
+    spec = ArchitectureSpec(model_type=model_type, layers=layers_path, source="discovered", **fields)
+    return remember_discovered(model, spec)
+
+
+def resolve_spec(model) -> ArchitectureSpec:
+    """The registry's entry, else a spec discovered (or saved) earlier for this class, else discovery."""
+    return get_registered(model) or discover(model)
+
+
+def describe(model) -> str:
+    """What hf_tangent found for this model: the spec, where it came from, and the per-layer verification."""
+    from .wrappers import unwrap
+
+    model = unwrap(model)
+    spec = resolve_spec(model)
+    layers = spec.decoder_layers(model)
+    v = verify(model, spec, layers)
+    lines = [f"{type(model).__name__} (model_type '{model.config.model_type}'): {spec.source} spec",
+             f"  layers: {spec.layers} ({len(layers)})"]
+    for name in ("input_norm", "attention", "attention_out", "ffn_norm", "mlp", "ffn_out", "residual_scale",
+                 "parallel_attr", "parallel"):
+        value = getattr(spec, name)
+        if value not in (None, False):
+            lines.append(f"  {name}: {value}")
+    for i, layer in enumerate(layers):
+        form = "parallel" if spec.is_parallel(layer) else "sequential"
+        status = "verified" if v.ffn[i] else f"NOT verified ({v.detail[i]})"
+        extra = "" if v.ffn_in_training[i] or not v.ffn[i] else ", eval mode only (dropout after ffn_out)"
+        attn = "attention verified" if v.attention[i] else "attention not verified"
+        lines.append(f"  layer {i} ({type(layer).__name__}, {form}): FFN update {status}{extra}; {attn}")
+    return "\n".join(lines)
