@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 
 import torch
@@ -111,7 +112,9 @@ def _probe(model, layers: nn.ModuleList, modules_of) -> list[dict]:
                 pre, post = on_call(rec, name)
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(post))
-        model(input_ids=_probe_ids(model), use_cache=False)
+        # no cache (a hybrid's cache may need more than the probe gives); only where forward takes the argument
+        cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        model(input_ids=_probe_ids(model), **cache)
     except Exception as error:
         raise ValueError(f"hf_tangent: the probe forward that verifies where the FFN update is added failed "
                          f"on {type(model).__name__}: {type(error).__name__}: {error}") from error
