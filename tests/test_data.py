@@ -64,6 +64,28 @@ def test_pack_windows_concatenates_documents_with_eos(tokenizer):
     assert data.pack_windows(tokenizer, docs, 5, max_windows=2).shape == (2, 5)
 
 
+def test_windows_start_with_bos_where_the_tokenizer_adds_it(tokenizer):
+    """Gemma's tokenizer starts every text with BOS and the model needs it (its loss on Austen is
+    ~1.3 nats higher without); SmolLM2's does not, and its windows stay as they were."""
+
+    class BosTokenizer:  # SmolLM2's vocabulary, with the BOS behaviour of Gemma's tokenizer
+        bos_token_id, eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    docs = ["It is a truth universally acknowledged.", "Emma Woodhouse, handsome, clever, and rich."]
+    stream = []
+    for doc in docs:
+        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = data.pack_windows(BosTokenizer(), docs, 5)
+    assert windows.shape == (len(stream) // 4, 5)
+    assert (windows[:, 0] == tokenizer.bos_token_id).all()
+    assert windows[:, 1:].flatten().tolist() == stream[: windows.shape[0] * 4]
+    assert tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id  # SmolLM2: no BOS added
+
+
 @pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs Debian's apt-get")
 def test_austen_extracted_from_debian_matches_the_shared_copy(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TANGENT_AUSTEN_DIR", raising=False)
