@@ -158,3 +158,43 @@ def test_discovered_model_round_trips_in_a_fresh_process(tmp_path):
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_hub_folder_of_a_discovered_model_loads_without_hf_tangent(tmp_path):
+    """The remote code finds the discovered spec in the saved record (the weights are on the meta
+    device inside from_pretrained, so it cannot probe)."""
+    import os
+
+    model = architectures.build("olmo2")
+    ht.patch(model, ht.TangentConfig(update="soft", beta=0.5, gates=True))
+    with torch.no_grad():
+        ht.tangent_layers(model)[0].gate.fill_(0.7)
+        expected = model(architectures.PROBE_IDS).logits
+    ht.save_hub_folder(model, tmp_path / "hub")
+    torch.save((architectures.PROBE_IDS, expected), tmp_path / "io.pt")
+    script = (f"import sys, torch; from transformers import AutoModelForCausalLM; ids, expected = torch.load({str(tmp_path / 'io.pt')!r}); "
+              f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'hub')!r}, trust_remote_code=True).eval(); "
+              "assert torch.equal(m(ids).logits, expected), (m(ids).logits - expected).abs().max(); "
+              "assert not any(k.split('.')[0] == 'hf_tangent' for k in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_hand_registered_residual_scale_is_verified():
+    """A residual-scaled architecture registered by hand verifies with its residual_scale and is
+    refused without it (s = 0.5 is not 1: the update would land scaled)."""
+    model = architectures.build("granite")
+    names = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",
+                 ffn_norm="post_attention_layernorm", mlp="mlp")
+    registry.register_architecture(model_type="granite", residual_scale="residual_multiplier", **names)
+    try:
+        ht.patch(model, ht.TangentConfig(update="projected"))
+        assert ht.get_config(model) is not None
+        ht.unpatch(model)
+        registry.register_architecture(model_type="granite", overwrite=True, **names)
+        discovery._VERIFIED.clear()
+        with pytest.raises(ValueError, match=r"did not verify: in layer 0, out != r \+ s \* ffn_out.*\(s = 1\)"):
+            ht.patch(model, ht.TangentConfig(update="projected"))
+    finally:
+        registry._REGISTRY.pop("granite")
