@@ -170,7 +170,11 @@ def remember_discovered(model, spec: ArchitectureSpec) -> ArchitectureSpec:
 
 def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
     """(spec, decoder layers) of a supported or patched model: the one place a model's architecture is resolved."""
-    spec = get_registered(model) or get_spec(model.config.model_type)
+    spec = get_registered(model)
+    if spec is None:  # an unregistered type: discovered (and cached) the way patch does
+        from .discovery import discover  # discovery.py builds on this module
+
+        spec = discover(model)
     return spec, spec.decoder_layers(model)
 
 

@@ -35,7 +35,7 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              shared_expert_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1,
              d_ff=96, d_kv=16, num_decoder_layers=2, hidden_dim=64, embed_dim=64, dim=64, n_heads=4, n_layers=2,
-             ffn_hidden_size=96, multi_query_group_num=2, kv_channels=16,
+             ffn_hidden_size=96, multi_query_group_num=2, kv_channels=16, num_expert_group=1, moe_topk=2,
              residual_multiplier=0.5)  # residual-scaled families: a multiplier that is not 1
 MAX_PARAMETERS = 100e6  # multimodal types keep a vocabulary of 262k tokens (image token ids)
 PROBE_IDS = torch.tensor([[1 + (13 * i + 5) % 200 for i in range(7)]])
@@ -117,7 +117,7 @@ def tiny_config(model_type: str, mamba_heads: bool = True):
     values.update(_fit(default, mamba_heads), **EXTRA.get(model_type, {}))
     values.pop("attention_layers", None)  # GPT-Neo derives it from attention_types
     for key, value in vars(default).items():  # vision / audio towers of multimodal models: tiny too
-        if key.endswith("_config") and hasattr(value, "to_dict") and key != "quantization_config":
+        if re.search(r"vision|audio|speech|image|encoder", key) and key.endswith("_config") and hasattr(value, "to_dict"):
             values[key] = _per_layer({**value.to_dict(), **_fit(value)}, getattr(value, "num_hidden_layers", 0))
     for key in ("model_type", "transformers_version"):
         values.pop(key, None)

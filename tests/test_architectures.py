@@ -198,3 +198,14 @@ def test_hand_registered_residual_scale_is_verified():
             ht.patch(model, ht.TangentConfig(update="projected"))
     finally:
         registry._REGISTRY.pop("granite")
+
+
+def test_analysis_of_an_unpatched_discovered_type():
+    """The analysis tools resolve an unregistered type the way patch does (hf-tangent ablate on
+    gemma3-270m used to stop at 'model_type is not supported')."""
+    from hf_tangent.ablation import run_ablation
+
+    model = architectures.build("gemma3_text")
+    windows = architectures.PROBE_IDS.repeat(2, 1)
+    result = run_ablation(model, windows, layerwise=True)
+    assert result and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
