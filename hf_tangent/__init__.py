@@ -14,7 +14,17 @@ from .discovery import describe
 from .hub import push_to_hub, save_hub_folder
 from .models import load_model
 from .parallel import parallelize
-from .patching import TangentLayer, disabled, get_config, patch, tangent_layers, unpatch, update_config
+from .patching import (
+    TangentLayer,
+    disabled,
+    get_config,
+    get_homotopy,
+    patch,
+    set_homotopy,
+    tangent_layers,
+    unpatch,
+    update_config,
+)
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
 from .serialization import from_config, from_pretrained, save_pretrained
 
@@ -22,7 +32,8 @@ from .serialization import from_config, from_pretrained, save_pretrained
 _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
          "ablate": "experiments", "diagnose_layers": "experiments", "layer_sensitivity": "experiments",
          "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
-         "TangentTrainingArguments": "training", "gate_values": "training"}
+         "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
+         "HealSettings": "experiments", "HomotopyCallback": "heal"}
 
 
 def __getattr__(name: str):
@@ -49,6 +60,8 @@ __all__ = [
     "push_to_hub",
     "register_architecture",
     "describe",
+    "set_homotopy",
+    "get_homotopy",
     "save_hub_folder",
     "save_pretrained",
     "supported_model_types",

@@ -42,7 +42,7 @@ from .discovery import describe  # noqa: F401
 from .fused import fused_residual_delta  # noqa: F401
 from .fused_parallel import FusedParallelExecution  # noqa: F401
 from .layer import TangentLayer  # noqa: F401
-from .patching import CONFIG_KEY, patch
+from .patching import CONFIG_KEY, patch, set_homotopy
 from .registry import get_spec  # noqa: F401
 from .rules import residual_delta  # noqa: F401
 from .wrappers import unwrap  # noqa: F401
@@ -57,6 +57,9 @@ class {cls}(_Base):
             if fields.get("implementation") == "triton":  # the kernels are not shipped: same rule, fused
                 fields["implementation"] = "fused"
             patch(self, TangentConfig.from_dict(fields))
+            if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
+                set_homotopy(self, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
+                             steps=record["homotopy"].get("steps"))
 '''
 
 

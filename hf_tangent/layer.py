@@ -47,6 +47,7 @@ class TangentLayer(nn.Module):
         self.spec: ArchitectureSpec | None = None  # set by prepare
         self.scale = 1.0  # s in out = r + s * ffn_out(...) (residual multipliers)
         self.exact_in_training = True  # False: dropout acts after ffn_out, so only eval mode is exact
+        self.blend = 1.0  # homotopy lambda (patching.set_homotopy): 0 = the unpatched layer, 1 = the patch
         self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
         # the submodule roles whose hooks must fire in every call of the layer
         self.roles = tuple(role for role, needed in (
@@ -60,13 +61,17 @@ class TangentLayer(nn.Module):
         """x_next - x in y's dtype (float32 arithmetic inside)."""
         c = self.config
         if c.update in NOISE_UPDATES:
-            return noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
-                               training=self.training, gate=self.gate)
-        if c.implementation == "triton":
-            delta = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
+            delta = noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
+                                training=self.training, gate=self.gate)
         else:
-            delta = fused_residual_delta if c.implementation == "fused" else residual_delta
-        return delta(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
+            if c.implementation == "triton":
+                rule = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
+            else:
+                rule = fused_residual_delta if c.implementation == "fused" else residual_delta
+            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
+        if self.blend != 1.0:  # the homotopy (1 - lambda) y + lambda (x_next - x), in float32; lambda = 0 gives y exactly
+            delta = torch.lerp(y.float(), delta.float(), self.blend).to(y.dtype)
+        return delta
 
     def extra_repr(self) -> str:
         c = self.config
@@ -145,6 +150,9 @@ class TangentLayer(nn.Module):
             x = state.pop("block_input", None)
             if x is None:
                 return None
+            if self.blend != 1.0:  # homotopy: the FFN input moves from the residual after attention to the block input
+                r = args[0] if args else next(iter(kwargs.values()))
+                x = torch.lerp(r.float(), x.float(), self.blend).to(r.dtype)
             if self.applies_update:
                 state["x"] = x
             return ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})

@@ -271,6 +271,37 @@ def disabled(model):
         _apply(base, state)
 
 
+HOMOTOPY_SCHEDULES = ("linear", "cosine")
+
+
+def set_homotopy(model, value: float, *, schedule: str | None = None, steps: int | None = None):
+    """Blend the patch with the unpatched model: lambda = `value` in [0, 1]. Each patched layer's
+    update becomes (1 - lambda) y + lambda (x_next - x), and a parallel-converted layer's FFN reads
+    (1 - lambda) r + lambda h (r: the residual after attention, h: the block input). lambda = 0 is
+    bit-identical to the unpatched model, 1 to the patch. Recorded in the saved patch, with the
+    schedule (`schedule`, `steps`) that set it, if any."""
+    base = unwrap(model)
+    record = getattr(base.config, CONFIG_KEY, None)
+    if get_config(base) is None or record is None:
+        raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"hf_tangent.set_homotopy: lambda={value!r}; accepted: a number in [0, 1].")
+    if schedule is not None and schedule not in HOMOTOPY_SCHEDULES:
+        raise ValueError(f"hf_tangent.set_homotopy: schedule={schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        raise ValueError(f"hf_tangent.set_homotopy: steps={steps!r}; accepted: an integer >= 0.")
+    for child in tangent_layers(base):
+        child.blend = float(value)
+    record["homotopy"] = {"lambda": float(value), "schedule": schedule, "steps": steps}
+    return model
+
+
+def get_homotopy(model) -> float:
+    """The patch's homotopy lambda (1.0 unless set_homotopy changed it)."""
+    children = tangent_layers(model)
+    return children[0].blend if children else 1.0
+
+
 def get_config(model) -> TangentConfig | None:
     """The active (read-only) TangentConfig of a patched model, through any wrapper, or None."""
     return vars(unwrap(model)).get(_MODEL_ATTR)

@@ -365,10 +365,43 @@ def _plot_study(data, folder):
     return [os.path.join(folder, name) for name in study_plots(data, folder).values()]
 
 
+def heal_markdown(report: dict) -> str:
+    t, st, s = report["training"], report["settings"], report["summary"]
+    lines = [
+        f"# hf-tangent heal: {report['model']} ({report['patch']['update']}, {st['method']})",
+        "",
+        f"Distillation from the unpatched model: KL at T={st['temperature']}, LM weight {st['lm_weight']}, "
+        f"{st['schedule']} homotopy over {st['homotopy_fraction']:.0%} of {t['max_steps']} steps (AdamW, lr "
+        f"{t['learning_rate']}, {t['lr_scheduler']}); seeds {report['seeds']}; {report['train_windows']} training and "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
+        "",
+        f"Unpatched held-out NLL {report['unpatched_nll']:.4f}.",
+        "",
+        "| seed | delta NLL untrained | delta NLL healed | KL untrained | KL healed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        lines.append(f"| {r['seed']} | {r['untrained']['nll'] - report['unpatched_nll']:+.4f} | "
+                     f"{r['healed']['nll'] - report['unpatched_nll']:+.4f} | {r['untrained']['kl']:.4f} | {r['healed']['kl']:.4f} |")
+    p = "" if s["p_value"] is None else f" (paired sign-flip p = {s['p_value']:.3f})"
+    lines += [f"| mean | {s['untrained_delta_nll']:+.4f} | {s['healed_delta_nll']:+.4f}{p} | {s['untrained_kl']:.4f} | "
+              f"{s['healed_kl']:.4f} |", "", f"Sample (greedy, seed {report['runs'][0]['seed']}), prompt: "
+              f"\"{report['prompt']}\"", "",
+              f"- untrained patch: \"{report['runs'][0]['untrained']['sample']}\"",
+              f"- healed: \"{report['runs'][0]['healed']['sample']}\"", "", "![heal loss](loss_curves.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_heal(data, folder):
+    curves = {"KL (heal)": [[tuple(p) for p in run["loss_curve"]] for run in data["runs"]]}
+    return [plots.loss_curves(curves, os.path.join(folder, "loss_curves.png"),
+                              title=f"heal {data['patch']['update']}, {data['model']}")]
+
+
 MARKDOWN = {"eval": eval_markdown, "calibrate": calibrate_markdown, "finetune": finetune_markdown,
             "diagnose": diagnose_markdown, "ablate": ablate_markdown, "sensitivity": sensitivity_markdown,
-            "parallel-sweep": sweep_markdown, "study": study_markdown}
+            "parallel-sweep": sweep_markdown, "study": study_markdown, "heal": heal_markdown}
 PLOTS = {"calibrate": _plot_calibrate, "finetune": _plot_finetune, "ablate": _plot_ablate,
          "diagnose": lambda data, folder: [plots.diagnostics_layers(
              data["layers"], os.path.join(folder, "diagnostics_layers.png"), title=f"{data['model']} ({data['update']})")],
-         "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study}
+         "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study, "heal": _plot_heal}

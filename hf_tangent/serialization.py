@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import TangentConfig
-from .patching import CHILD_NAME, CONFIG_KEY, patch, tangent_layers
+from .patching import CHILD_NAME, CONFIG_KEY, patch, set_homotopy, tangent_layers
 from .registry import ArchitectureSpec, architecture
 from .wrappers import full_state_dict, model_class, unwrap
 
@@ -58,6 +58,13 @@ def _check_record(record, where: str) -> dict:
             _fail(where, f"field '{CONFIG_KEY}.{name}' must list layer indices >= 0, got {value!r}.")
     if record["num_layers"] < 1:
         _fail(where, f"field '{CONFIG_KEY}.num_layers' must be >= 1, got {record['num_layers']!r}.")
+    homotopy = record.get("homotopy")
+    if homotopy is not None:  # set_homotopy's lambda and schedule (optional)
+        value = homotopy.get("lambda") if isinstance(homotopy, dict) else None
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0
+                or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")):
+            _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1], 'schedule': "
+                         f"'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
     if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)
         try:
             ArchitectureSpec.from_dict(record["architecture"])
@@ -193,6 +200,9 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
     _check_against_model(record, config, gates, model, info, where)
     delattr(model.config, CONFIG_KEY)  # patch() writes it again from the validated config
     patch(model, config)
+    if record.get("homotopy") is not None:
+        set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
+                     steps=record["homotopy"].get("steps"))
     with torch.no_grad():
         for child in tangent_layers(model):
             if child.gate is not None:

@@ -5,6 +5,7 @@ from .analysis import ablate, diagnose_layers, layer_sensitivity, parallel_sweep
 from .calibrate import calibrate_gates
 from .evaluate import evaluate_rules
 from .finetune import finetune
+from .heal import HealSettings, HealTrainingArguments, heal
 
-__all__ = ["ablate", "calibrate_gates", "diagnose_layers", "evaluate_rules", "finetune", "layer_sensitivity",
-           "parallel_sweep"]
+__all__ = ["HealSettings", "HealTrainingArguments", "ablate", "calibrate_gates", "diagnose_layers", "evaluate_rules",
+           "finetune", "heal", "layer_sensitivity", "parallel_sweep"]

@@ -1,0 +1,75 @@
+"""`hf-tangent heal`: distil a patched model back towards its unpatched self."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..evaluation import update_variants
+from ..experiments.finetune import LoraSettings
+from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments
+from .arguments import (
+    CalibrationTextArguments,
+    CommandError,
+    EvalTextArguments,
+    ModelArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+_RULES = [name for name, config in update_variants().items() if config is not None]
+
+
+@dataclass
+class HealArguments:
+    update: str = field(default="projected", metadata={"help": "the update rule to heal: " + "; ".join(_RULES),
+                                                        "choices": _RULES, "metavar": "NAME"})
+    layers: list[int] | None = field(default=None, metadata={"help": "layers that get the rule (default: all)"})
+    parallel_layers: list[int] | None = field(default=None, metadata={
+        "help": "layers converted to parallel-residual form (with --update add: conversion only)"})
+    method: Literal["lora", "full"] = field(default="lora", metadata={
+        "help": "LoRA (teacher: the same model, patch and adapters off) or full fine-tuning (teacher: a frozen copy)"})
+    temperature: float = field(default=1.0, metadata={"help": "distillation temperature T (loss T^2 KL)"})
+    lm_weight: float = field(default=0.0, metadata={"help": "weight of the LM loss mixed with the KL, in [0, 1]"})
+    homotopy_fraction: float = field(default=0.5, metadata={
+        "help": "fraction of the steps over which the patch moves from the identity to the target (0: direct)"})
+    schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "homotopy schedule"})
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "one run per seed"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
+        "help": "LoRA target modules (names of the model's Linear layers)"})
+    save_models: bool = field(default=False, metadata={"help": "write every healed model as a Hub folder"})
+    prompt: str = field(default=SAMPLE_PROMPT, metadata={"help": "prompt of the generated sample before / after"})
+
+
+def heal_command_parser(subparsers):
+    return add_command(subparsers, "heal", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
+                                            HealArguments, HealTrainingArguments),
+                       "distil a patched model from its unpatched self (KL, homotopy); NLL before / after",
+                       heal_command)
+
+
+def heal_command(args) -> int:
+    from ..experiments.heal import heal
+
+    model, text, calibration, options, training = dataclasses_of(args.parser, args)
+    try:
+        tangent = dataclasses.replace(update_variants()[options.update], layers=options.layers,
+                                      parallel_layers=tuple(options.parallel_layers or ()))
+        settings = HealSettings(options.method, options.temperature, options.lm_weight, options.homotopy_fraction,
+                                options.schedule)
+    except ValueError as err:
+        raise CommandError(str(err)) from err
+    preflight(text, calibration, training, output_dir=training.output_dir)
+    report = heal(model.model, tangent, text=text_source(text, calibration), settings=settings,
+                  lora=LoraSettings(options.lora_r, options.lora_alpha, tuple(options.lora_targets)),
+                  seeds=options.seeds, seq_len=text.seq_len, max_windows=text.max_windows,
+                  train_windows=calibration.train_windows, training_args=training, dtype=model.dtype,
+                  save_models=options.save_models, prompt=options.prompt)
+    if training.process_index == 0:
+        report.save(training.output_dir, echo=True)
+    return 0

@@ -1,0 +1,152 @@
+"""`heal`: distil a patched model back towards its unpatched self (heal.py), per seed, with the
+held-out NLL and KL before and after, loss curves, a generated sample, and the healed model saved."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import os
+
+import torch
+
+from ..config import TangentConfig
+from ..data import TextSource
+from ..evaluation import perplexity
+from ..heal import HomotopyCallback, heal_trainer_class, held_out_kl
+from ..hub import save_hub_folder
+from ..patching import get_config, patch
+from ..reports import Report
+from ..stats import paired_permutation_test
+from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from .common import Clock, environment, resolve_model, windows
+from .finetune import LoraSettings
+
+SAMPLE_PROMPT = "It is a truth universally acknowledged, that"
+
+
+@dataclasses.dataclass
+class HealTrainingArguments(TangentTrainingArguments):
+    """TangentTrainingArguments with healing's defaults: 60 steps, lr 1e-3, cosine schedule."""
+
+    max_steps: int = dataclasses.field(default=60, metadata={"help": "Optimizer steps."})
+    learning_rate: float = dataclasses.field(default=1e-3, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = dataclasses.field(default="cosine", metadata={"help": "Trainer scheduler name."})
+
+
+@dataclasses.dataclass
+class HealSettings:
+    """What healing does: the loss (KL at `temperature`, mixed with the LM loss by `lm_weight`) and
+    the homotopy (lambda 0 -> 1 over `homotopy_fraction` of the steps; 0: the target from step 0)."""
+
+    method: str = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full" (a frozen copy)
+    temperature: float = 1.0
+    lm_weight: float = 0.0
+    homotopy_fraction: float = 0.5
+    schedule: str = "linear"
+
+    def __post_init__(self):
+        if self.method not in ("lora", "full"):
+            raise ValueError(f"method={self.method!r}; accepted: 'lora', 'full'.")
+        if not 0.0 <= self.homotopy_fraction <= 1.0:
+            raise ValueError(f"homotopy_fraction={self.homotopy_fraction!r}; accepted: a number in [0, 1].")
+
+
+def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    if tokenizer is None:
+        return ""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, prompt, max_new_tokens,
+         unpatched):
+    model = copy.deepcopy(first)
+    teacher = None
+    if settings.method == "full":  # the weights move: the teacher is a frozen unpatched copy
+        teacher = copy.deepcopy(first).eval().requires_grad_(False)
+    patch(model, tangent)
+    untrained = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher),
+                 "sample": _generate(model, tokenizer, prompt, max_new_tokens)}
+    if settings.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                                                 lora_dropout=0.0))
+    run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
+    run_args = dataclasses.replace(args, output_dir=run_dir, seed=seed, data_seed=seed)
+    homotopy = HomotopyCallback(round(settings.homotopy_fraction * run_args.max_steps), settings.schedule)
+    trainer = train(model, dataset, run_args, callbacks=[homotopy], trainer_class=heal_trainer_class(),
+                    temperature=settings.temperature, lm_weight=settings.lm_weight, teacher=teacher)
+    model.eval()
+    healed = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher)}
+    if settings.method == "lora":
+        model = model.merge_and_unload()
+    healed["sample"] = _generate(model, tokenizer, prompt, max_new_tokens)
+    curve = loss_curve(trainer)
+    saved = None
+    if save_model:
+        saved = os.path.join(run_dir, "model")
+        save_hub_folder(model, saved, tokenizer=tokenizer, card={
+            "title": f"{tangent.update} patch, healed by distillation",
+            "training": (f"hf-tangent heal ({settings.method}, KL at T={settings.temperature}, lm_weight "
+                         f"{settings.lm_weight}, {settings.schedule} homotopy over {homotopy.steps} of "
+                         f"{run_args.max_steps} steps), seed {seed}."),
+            "results": (f"Held-out NLL: unpatched {unpatched:.4f}, patch untrained {untrained['nll']:.4f} "
+                        f"({untrained['nll'] - unpatched:+.4f}), healed {healed['nll']:.4f} "
+                        f"({healed['nll'] - unpatched:+.4f}) nats/token.")})
+    del model, trainer, teacher
+    gc.collect()
+    return {"seed": seed, "untrained": untrained, "healed": healed, "loss_curve": curve, "saved": saved,
+            "homotopy": homotopy.values[-1][1] if homotopy.values else 1.0}
+
+
+def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,
+         lora: LoraSettings | None = None, seeds: list[int] = (0,), seq_len: int = 256, max_windows: int = 8,
+         train_windows: int = 64, training_args: TangentTrainingArguments | None = None, dtype: str = "float32",
+         save_models: bool = False, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 20) -> Report:
+    """Patch `model` with `tangent` and heal it by distillation from its unpatched self, once per
+    seed (each run a fresh copy); the `heal` report: held-out NLL and KL untrained vs healed, with
+    the unpatched NLL as reference and a paired sign-flip test over seeds.
+
+    Args:
+        model: a model name or a loaded (unpatched) model; tangent: the patch to heal.
+        settings: method (lora / full), loss (temperature, lm_weight) and homotopy.
+        training_args: Trainer settings; run k writes to output_dir/runs/seed<k>.
+        save_models: write every healed model as a Hub folder whose card states its measured NLL.
+    """
+    if not isinstance(tangent, TangentConfig):
+        raise TypeError(f"heal expects a TangentConfig to heal, got {type(tangent).__name__}.")
+    settings = settings or HealSettings()
+    lora = lora or LoraSettings()
+    args = training_args or HealTrainingArguments()
+    text = TextSource.of(text)
+    first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
+    if get_config(first) is not None:
+        raise ValueError("heal: pass the unpatched model and the TangentConfig to heal (this model is already patched).")
+    held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
+    dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
+    clock = Clock()
+    unpatched = perplexity(first, held_out)["nll"]
+    runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, prompt,
+                 max_new_tokens, unpatched) for seed in seeds]
+    gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]
+    return Report("heal", {
+        "command": "heal", "model": name, "patch": tangent.to_dict(), "settings": dataclasses.asdict(settings),
+        "seeds": list(seeds), "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
+        "train_windows": len(dataset),
+        "training": training_summary(args) | {
+            "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if settings.method == "lora" else None},
+        "unpatched_nll": unpatched, "prompt": prompt,
+        "summary": {
+            "untrained_delta_nll": sum(r["untrained"]["nll"] for r in runs) / len(runs) - unpatched,
+            "healed_delta_nll": sum(r["healed"]["nll"] for r in runs) / len(runs) - unpatched,
+            "untrained_kl": sum(r["untrained"]["kl"] for r in runs) / len(runs),
+            "healed_kl": sum(r["healed"]["kl"] for r in runs) / len(runs),
+            "p_value": paired_permutation_test(gains) if len(runs) > 1 else None},
+        "runs": runs, "seconds": clock.seconds, **environment(args.device.type, dtype, args.seed),
+    })

@@ -1,0 +1,212 @@
+"""Healing (heal.py): the homotopy, the teacher, the distillation loss, and Trainer runs on tiny models."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_tiny
+
+import hf_tangent as ht
+from hf_tangent.heal import (
+    HomotopyCallback,
+    distillation_loss,
+    heal_trainer_class,
+    held_out_kl,
+    homotopy_value,
+    teacher_of,
+)
+from hf_tangent.training import lm_dataset, train, training_arguments
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def layer_io(model, index, ids):
+    """(x = the pre-FFN norm's input, y = the MLP output, out = the layer output) of one Llama layer, float64."""
+    layer, seen = model.model.layers[index], {}
+    handles = [layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].double())),
+               layer.mlp.register_forward_hook(lambda m, a, o: seen.__setitem__("y", o.double())),
+               layer.register_forward_hook(lambda m, a, o: seen.__setitem__("out", (o[0] if isinstance(o, tuple) else o).double()))]
+    logits(model, ids)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_homotopy_endpoints_are_bit_identical_and_the_middle_is_the_blend(ids):
+    model = make_tiny("llama")
+    reference = logits(model, ids)
+    ht.patch(model, ht.TangentConfig(update="projected", layers=[1]))
+    target = logits(model, ids)
+    ht.set_homotopy(model, 0.0)
+    assert torch.equal(logits(model, ids), reference)
+    ht.set_homotopy(model, 1.0)
+    assert torch.equal(logits(model, ids), target)
+    ht.set_homotopy(model, 0.25)
+    seen = layer_io(model, 1, ids)  # layer 0 is unpatched, so layer 1 sees the unpatched input
+    x, y = seen["x"], layer_io(ht.unpatch(make_tiny("llama")), 1, ids)["y"]
+    eps = ht.get_config(model).eps
+    projected = y - (x * y).sum(-1, keepdim=True) / ((x * x).sum(-1, keepdim=True) + eps) * x
+    torch.testing.assert_close(seen["out"], x + 0.75 * y + 0.25 * projected, rtol=1e-5, atol=1e-5)
+    assert ht.get_homotopy(model) == 0.25 and model.config.hf_tangent["homotopy"]["lambda"] == 0.25
+    with pytest.raises(ValueError, match=r"lambda=1.5; accepted: a number in \[0, 1\]"):
+        ht.set_homotopy(model, 1.5)
+    with pytest.raises(ValueError, match="not patched"):
+        ht.set_homotopy(make_tiny("llama"), 0.5)
+
+
+def test_parallel_conversion_homotopy_endpoints(ids):
+    model = make_tiny("llama")
+    reference = logits(model, ids)
+    ht.patch(model, ht.TangentConfig(parallel_layers=[0, 1]))
+    target = logits(model, ids)
+    assert not torch.equal(target, reference)
+    ht.set_homotopy(model, 0.0)
+    assert torch.equal(logits(model, ids), reference)
+    ht.set_homotopy(model, 1.0)
+    assert torch.equal(logits(model, ids), target)
+
+
+def test_homotopy_schedules():
+    assert [homotopy_value(s, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert homotopy_value(2, 4, "cosine") == pytest.approx(0.5) and homotopy_value(1, 4, "cosine") < 0.25
+    assert homotopy_value(0, 0) == 1.0  # no homotopy: the target from step 0
+    with pytest.raises(ValueError, match="schedule='cubic'; accepted: linear, cosine"):
+        HomotopyCallback(4, "cubic")
+
+
+def test_distillation_loss_against_an_independent_kl():
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    p, q = torch.softmax(t.double() / 2, -1), torch.softmax(s.double() / 2, -1)
+    expected = (p * (p.log() - q.log())).sum(-1).mean() * 4
+    assert distillation_loss(s, t, 2.0).item() == pytest.approx(expected.item(), rel=1e-5)
+    assert distillation_loss(t, t).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_teacher_is_the_unpatched_model_without_adapters_and_is_restored(ids):
+    from peft import LoraConfig, get_peft_model
+
+    model = make_tiny("llama")
+    reference = logits(model, ids)
+    peft = get_peft_model(ht.patch(model, ht.TangentConfig(update="projected")),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    student = logits(peft, ids)
+    with teacher_of(peft) as teacher:
+        assert torch.equal(teacher(ids).logits, reference)
+    assert torch.equal(logits(peft, ids), student)
+    with pytest.raises(RuntimeError, match="boom"), teacher_of(peft):
+        raise RuntimeError("boom")
+    assert torch.equal(logits(peft, ids), student)
+
+
+def _heal(model, tmp_path, steps, *, homotopy_steps, resume=None, save_steps=0, seed=0, lr=3e-3, n=16, batch=4):
+    torch.manual_seed(seed)
+    data = lm_dataset(torch.randint(0, 128, (n, 16)))
+    args = training_arguments(str(tmp_path), max_steps=steps, learning_rate=lr, batch_size=batch, save_steps=save_steps,
+                              seed=seed, resume_from_checkpoint=resume)
+    callback = HomotopyCallback(homotopy_steps)
+    trainer = train(model, data, args, callbacks=[callback], trainer_class=heal_trainer_class())
+    return trainer, callback
+
+
+def test_tiny_heal_lowers_the_held_out_kl(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    held_out = torch.randint(0, 128, (4, 16))
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", alpha=3.0))  # KL ~0.12 untrained
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    before = held_out_kl(model, held_out)
+    _heal(model, tmp_path, 60, homotopy_steps=10, lr=1e-2, n=480, batch=8)  # 60 steps, each batch new
+    after = held_out_kl(model, held_out)
+    assert ht.get_homotopy(model) == 1.0
+    assert after < 0.7 * before, (before, after)  # measured: 0.125 -> 0.063
+
+
+def test_resume_mid_homotopy_continues_the_schedule(tmp_path):
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    trainer, full = _heal(model, tmp_path / "a", 4, homotopy_steps=4, save_steps=2)
+    assert [v for _, v in full.values][:5] == [0.0, 0.0, 0.25, 0.5, 0.75]
+    resumed_model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    _, resumed = _heal(resumed_model, tmp_path / "a", 4, homotopy_steps=4, resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed.values[0] == (2, 0.5) and resumed.values[-1] == (4, 1.0)
+    assert full.values[-1] == (4, 1.0)
+
+
+def test_homotopy_round_trips_through_save_and_reload(tmp_path, ids):
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="retract", p=2.0, gates=True))
+    ht.set_homotopy(model, 0.4, schedule="cosine", steps=10)
+    expected = logits(model, ids)
+    ht.save_pretrained(model, tmp_path / "m")
+    torch.save((ids, expected), tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import torch, hf_tangent as ht
+        ids, expected = torch.load({str(tmp_path / 'io.pt')!r})
+        model = ht.from_pretrained({str(tmp_path / 'm')!r}).eval()
+        assert ht.get_homotopy(model) == 0.4
+        assert model.config.hf_tangent["homotopy"] == {{"lambda": 0.4, "schedule": "cosine", "steps": 10}}
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, tmp_path, capsys):
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    from hf_tangent import cli
+    from hf_tangent.evaluation import perplexity
+
+    out = tmp_path / "heal"
+    code = cli.main(["heal", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
+                     "--calibration-files", str(austen_dir / "northangerabbey.txt"),
+                     "--seq-len", "32", "--max-windows", "4", "--train-windows", "16", "--max-steps", "6",
+                     "--per-device-train-batch-size", "4", "--update", "retract p=2 (cayley)", "--layers", "0",
+                     "--homotopy-fraction", "0.5", "--save-models", "true", "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    run = report["runs"][0]
+    assert report["command"] == "heal" and run["homotopy"] == 1.0 and len(run["loss_curve"]) == 6
+    # independent: the healed folder reloads as a patched model whose held-out NLL is the reported one
+    healed = ht.from_pretrained(run["saved"]).eval()
+    assert ht.get_config(healed).update == "retract" and ht.get_homotopy(healed) == 1.0
+    from hf_tangent.data import pack_windows
+    from hf_tangent.models import load_tokenizer
+
+    text = open(austen_dir / "emma.txt", encoding="utf-8").read()
+    documents = [text]
+    held_out = pack_windows(load_tokenizer(str(tiny_lm_folder)), documents, 32, 4)
+    assert held_out.shape[0] == report["eval_windows"]
+    unpatched = perplexity(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), held_out)["nll"]
+    assert report["unpatched_nll"] == pytest.approx(unpatched, rel=1e-5)
+    card = (out / "runs" / "seed0" / "model" / "README.md").read_text()
+    assert "healed" in card and f"{run['healed']['nll']:.4f}" in card
+    assert "| mean |" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(["heal", "--model", str(tiny_lm_folder), "--update", "nope"])
+
+
+@pytest.mark.parametrize("recipe", ["heal_default", "heal_full", "heal_parallel"])
+def test_heal_recipes_parse(recipe):
+    from hf_tangent import cli
+
+    args = cli.parse_args(["heal", "--recipe", recipe])
+    model, text, calibration, options, training = cli_dataclasses(args)
+    assert options.update in ("projected", "add") and training.max_steps == 60 and model.model == "smollm2-135m"
+    if recipe == "heal_parallel":
+        assert options.parallel_layers == [6, 7, 8, 9, 20, 21, 22, 23]
+
+
+def cli_dataclasses(args):
+    from hf_tangent.commands.arguments import dataclasses_of
+
+    return dataclasses_of(args.parser, args)
