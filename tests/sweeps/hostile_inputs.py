@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -146,10 +147,26 @@ def patch_cases():
 
     bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=64))
-    expect_error("patch", "an unsupported model_type", lambda: ht.patch(bert, ht.TangentConfig()), "is not supported")
+    expect_error("patch", "a post-LN model_type (BERT)", lambda: ht.patch(bert, ht.TangentConfig()),
+                 "discovery failed")
     expect_error("patch", "not a model", lambda: ht.patch("gpt2", ht.TangentConfig()), "expects a transformers model")
     expect_error("patch", "update_config of an unpatched model", lambda: ht.update_config(make_tiny("gpt2"), beta=0.5),
                  "not patched")
+    expect_error("patch", "homotopy lambda out of [0, 1]",
+                 lambda: ht.set_homotopy(ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected")), 1.5),
+                 "accepted: a number in [0, 1]")
+    expect_error("patch", "homotopy of an unpatched model", lambda: ht.set_homotopy(make_tiny("llama"), 0.5), "not patched")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import architectures
+
+    def misregistered():  # gemma3 with a Llama spec: the update would land on the attention output's norm
+        ht.register_architecture(dataclasses.replace(ht.registry.get_spec("llama"), model_type="gemma3_text"))
+        try:
+            ht.patch(architectures.build("gemma3_text"), ht.TangentConfig(update="projected"))
+        finally:
+            ht.registry._REGISTRY.pop("gemma3_text")
+
+    expect_error("patch", "a registry entry with the wrong names (Llama names on Gemma 3)", misregistered, "did not verify")
 
 
 # ----------------------------------------------------------------------------- behaviour
@@ -290,6 +307,11 @@ def reload_cases(tmp: Path):
         "p a word": (lambda d: d["hf_tangent"]["config"].update(p="fast"), "TangentConfig.p='fast'"),
         "config a list": (lambda d: d["hf_tangent"].update(config=[1]), "'hf_tangent.config' must be a dict"),
         "layer index out of range": (lambda d: d["hf_tangent"]["config"].update(layers=[0, 7]), "out of range"),
+        "homotopy lambda 2": (lambda d: d["hf_tangent"].update(homotopy={"lambda": 2.0}), "'hf_tangent.homotopy' must be"),
+        "homotopy schedule unknown": (lambda d: d["hf_tangent"].update(homotopy={"lambda": 0.5, "schedule": "cubic"}),
+                                      "'hf_tangent.homotopy' must be"),
+        "architecture spec damaged": (lambda d: d["hf_tangent"].update(architecture={"model_type": "llama", "bogus": 1}),
+                                      "'hf_tangent.architecture' is not an architecture spec"),
     }
     for i, (case, (change, message)) in enumerate(records.items()):
         folder = fresh(f"r{i}")
