@@ -373,11 +373,32 @@ def _find_roles(rec: dict, layer: nn.Module) -> dict | str:
                 if _positionwise(single[a_name]):
                     continue
                 return {**attention_roles(a_name), **ffn_roles(readers[-1], f_name), "residual_scale": None, "parallel": True}
-    why = "no submodules satisfy out = r + ffn(...) (sequential) or out = h + attention(h) + ffn(h) (parallel)"
-    centred = out.double() - out.double().mean(-1, keepdim=True)
-    if centred.abs().amax() > 0 and (centred.pow(2).mean(-1).sqrt() - 1).abs().amax() < 0.1:
-        why += "; its output is normalised per token, as in a post-LN block (norm(r + ffn(...)))"
-    return why
+    return "no submodules satisfy out = r + ffn(...) (sequential) or out = h + attention(h) + ffn(h) (parallel)" + \
+        _why_not(rec, out, single, order, ins, outs, value)
+
+
+def _why_not(rec, out, single, order, ins, outs, value) -> str:
+    """What the layer computes instead, where one of the known reasons fits (for the refusal)."""
+    mixers = [n for n in outs if not _positionwise(single[n])]
+    per_token = [n for n in outs if not any(n.startswith(m + ".") for m in mixers) and _positionwise(single[n])]
+    pairs = [(norm, f_name) for f_name in per_token if not torch.equal(value(f_name, 1), out)
+             for norm in ins if order[norm] < order[f_name] and not f_name.startswith(norm + ".")]
+    for norm, f_name in pairs:  # post-LN: out = norm(r + f)
+        r, f = value(norm, 0), value(f_name, 1)
+        if any(order[n] > order[f_name] and _close(single[n][1], out) and _close(single[n][0], r + f) for n in single):
+            return ("; it is a post-LN block: out = norm(r + ffn(...)), so the update is normalised after the add "
+                    "and no x_next = x + update exists to patch")
+    for norm, f_name in pairs:  # a scaled residual: out = alpha r + beta f
+        r, f = value(norm, 0), value(f_name, 1)
+        a = torch.stack([r.double().flatten(), f.double().flatten()], 1)
+        alpha, beta = torch.linalg.lstsq(a, out.double().flatten()[:, None]).solution.flatten().tolist()
+        if abs(alpha - 1) > 1e-3 and abs(alpha) > 1e-3 and abs(beta) > 1e-3 and _close(out, alpha * r + beta * f):
+            return (f"; it scales the residual itself: out = {alpha:.4g} * r + {beta:.4g} * ffn(...), which no "
+                    "update of x alone reproduces")
+    if not [n for n in per_token if not _norm_like(single[n][2], out.shape[-1])]:
+        return ("; no sub-block that adds to its residual acts on each token alone (an SSM / recurrent block, or "
+                "an FFN whose routing depends on other tokens)")
+    return ""
 
 
 def discover(model) -> ArchitectureSpec:

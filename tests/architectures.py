@@ -229,7 +229,10 @@ def check_type(model_type: str) -> dict:
         layers = spec.decoder_layers(model)
         ht.discovery.require_verified(model, spec, layers, needs_attention=[])
     except ValueError as error:
-        row.update(support="refused", note=str(error).split(": ", 1)[-1].split(". hf_tangent patches")[0][:160])
+        reason = str(error).split(". hf_tangent patches")[0].split(". hf_tangent")[0]
+        reason = reason.split("), ", 1)[-1] if "discovery failed" in reason else reason.split("hf_tangent: ", 1)[-1]
+        row.update(support="refused", note=reason.replace("no submodules satisfy out = r + ffn(...) (sequential) or out = "
+                                                          "h + attention(h) + ffn(h) (parallel)", "no residual + FFN add")[:200])
         return row
     row["support"] = "registry" if spec.source == "registry" else "discovered"
     problems = []

@@ -209,3 +209,13 @@ def test_analysis_of_an_unpatched_discovered_type():
     windows = architectures.PROBE_IDS.repeat(2, 1)
     result = run_ablation(model, windows, layerwise=True)
     assert result and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("bart", "post-LN block: out = norm\\(r \\+ ffn"),
+    ("mamba", "no sub-block that adds to its residual acts on each token alone"),
+])
+def test_refusals_say_why(model_type, reason):
+    model = architectures.build(model_type)
+    with pytest.raises(ValueError, match=f"discovery failed.*{reason}"):
+        ht.patch(model, ht.TangentConfig(update="projected"))
