@@ -72,7 +72,8 @@ def _probing(model, *, training: bool = False, seed: int = 0):
     """The model as the probe sees it: its patch off, eval (or training) mode, no grad, RNG untouched."""
     from .patching import disabled  # patching imports this module
 
-    with disabled(model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=[]):
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with disabled(model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
 

@@ -17,6 +17,7 @@ import torch
 
 from .patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy
 from .training import _transformers_callback
+from .wrappers import peft_model_of
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -31,9 +32,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 @contextlib.contextmanager
 def teacher_of(model):
-    """The unpatched model inside the block: the patch off and, for a PEFT model, the adapters off."""
-    adapters = model.disable_adapter() if hasattr(model, "disable_adapter") and hasattr(model, "peft_config") \
-        else contextlib.nullcontext()
+    """The unpatched model inside the block: the patch off and, for a PEFT model (also inside a DDP /
+    FSDP / DeepSpeed wrapper, as the Trainer hands it to compute_loss), the adapters off."""
+    peft = peft_model_of(model)
+    adapters = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
     with disabled(model), adapters, torch.no_grad():
         yield model
 

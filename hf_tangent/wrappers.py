@@ -38,6 +38,20 @@ def _fsdp2_class():
     return FSDPModule
 
 
+def peft_model_of(model):
+    """The PEFT model inside DDP / FSDP1 / DeepSpeed wrappers (or `model` itself), None without PEFT."""
+    fsdp1 = _fsdp1_class()
+    for _ in range(8):
+        if _is_peft(model):
+            return model
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or _is_deepspeed_engine(model) \
+                or (fsdp1 is not None and isinstance(model, fsdp1)):
+            model = model.module
+        else:
+            return None
+    return None
+
+
 def unwrap(model):
     """The transformers model inside PEFT, DataParallel/DDP, an FSDP1 root and a DeepSpeed engine
     (FSDP2 shards in place: the model is its own wrapper)."""

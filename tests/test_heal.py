@@ -102,6 +102,10 @@ def test_teacher_is_the_unpatched_model_without_adapters_and_is_restored(ids):
     with pytest.raises(RuntimeError, match="boom"), teacher_of(peft):
         raise RuntimeError("boom")
     assert torch.equal(logits(peft, ids), student)
+    wrapped = torch.nn.DataParallel(peft)  # as a Trainer may hand the model to compute_loss
+    with teacher_of(wrapped) as teacher:  # the adapters inside the wrapper are switched off too
+        assert torch.equal(teacher(ids).logits, reference)
+    assert torch.equal(logits(wrapped, ids), student)
 
 
 def _heal(model, tmp_path, steps, *, homotopy_steps, resume=None, save_steps=0, seed=0, lr=3e-3, n=16, batch=4):
