@@ -10,14 +10,28 @@ import sys
 from transformers import HfArgumentParser
 
 from ._version import __version__
-from .commands import ablate, calibrate, diagnose, finetune, heal, parallel_sweep, sensitivity, study, study_report
+from .commands import (
+    ablate,
+    calibrate,
+    critical,
+    diagnose,
+    ffn_jacobian,
+    finetune,
+    heal,
+    parallel_sweep,
+    pressure,
+    sensitivity,
+    study,
+    study_report,
+)
 from .commands import eval as eval_
 from .commands.arguments import CommandError, apply_recipe
 
 COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finetune.finetune_command_parser,
             diagnose.diagnose_command_parser, ablate.ablate_command_parser, sensitivity.sensitivity_command_parser,
             parallel_sweep.parallel_sweep_command_parser, study.study_command_parser,
-            study_report.study_report_command_parser, heal.heal_command_parser)
+            study_report.study_report_command_parser, heal.heal_command_parser,
+            critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy
+from .patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy, tangent_layers
 from .training import _transformers_callback
 from .wrappers import peft_model_of
 
@@ -50,18 +50,35 @@ def homotopy_value(step: int, steps: int, schedule: str = "linear") -> float:
 
 class HomotopyCallback(_transformers_callback()):
     """Sets the patch's lambda before every step from the global step, so a run resumed from a
-    checkpoint continues the schedule where it stopped."""
+    checkpoint continues the schedule where it stopped. With `stages` > 1 the homotopy is
+    progressive: the patched layers, in depth order, form `stages` contiguous groups, and group g
+    moves from 0 to 1 during the g-th of `stages` equal parts of the `steps` (later groups stay
+    unpatched until their turn, earlier ones stay at the target)."""
 
-    def __init__(self, steps: int, schedule: str = "linear"):
+    def __init__(self, steps: int, schedule: str = "linear", stages: int = 1):
         if schedule not in HOMOTOPY_SCHEDULES:
             raise ValueError(f"homotopy schedule={schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"homotopy steps={steps!r}; accepted: an integer >= 0 (0: the target from step 0).")
-        self.steps, self.schedule = steps, schedule
-        self.values: list[tuple[int, float]] = []  # (step, lambda) as set
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"homotopy stages={stages!r}; accepted: an integer >= 1 (1: every layer at once).")
+        self.steps, self.schedule, self.stages = steps, schedule, stages
+        self.values: list[tuple[int, float | dict[int, float]]] = []  # (step, lambda) as set
+
+    def lambdas(self, step: int, layers: list[int]) -> float | dict[int, float]:
+        """lambda at `step`: one number, or {layer: lambda} for a progressive homotopy."""
+        if self.stages == 1:
+            return homotopy_value(step, self.steps, self.schedule)
+        if self.stages > len(layers):
+            raise ValueError(f"homotopy stages={self.stages} > the {len(layers)} patched layers; accepted: at most "
+                             f"{len(layers)}.")
+        part = self.steps / self.stages
+        bounds = [round(g * len(layers) / self.stages) for g in range(self.stages + 1)]
+        return {i: homotopy_value(step - g * part, part, self.schedule) if part > 0 else 1.0
+                for g in range(self.stages) for i in layers[bounds[g]:bounds[g + 1]]}
 
     def _set(self, model, step: int) -> None:
-        value = homotopy_value(step, self.steps, self.schedule)
+        value = self.lambdas(step, [child.index for child in tangent_layers(model)])
         set_homotopy(model, value, schedule=self.schedule, steps=self.steps)
         self.values.append((step, value))
 

@@ -48,11 +48,7 @@ def sensitivity(model, windows: torch.Tensor, *, batch_size: int = 1, progress=N
         if i in parallel:
             continue
         seen = {}
-        ffn_norm, mlp, ffn_out = (spec.submodule(layer, r) for r in ("ffn_norm", "mlp", "ffn_out"))
-
-        def phi(h, ffn_norm=ffn_norm, mlp=mlp, ffn_out=ffn_out):
-            out = mlp(ffn_norm(h))
-            return out if ffn_out is mlp else _first(ffn_out(out))
+        ffn_out, phi = spec.submodule(layer, "ffn_out"), spec.ffn_branch(layer)
 
         def on_input(module, args, kwargs, seen=seen):
             if not state["busy"]:

@@ -274,9 +274,11 @@ def disabled(model):
 HOMOTOPY_SCHEDULES = ("linear", "cosine")
 
 
-def set_homotopy(model, value: float, *, schedule: str | None = None, steps: int | None = None):
-    """Blend the patch with the unpatched model: lambda = `value` in [0, 1]. Each patched layer's
-    update becomes (1 - lambda) y + lambda (x_next - x), and a parallel-converted layer's FFN reads
+def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None = None):
+    """Blend the patch with the unpatched model: lambda = `value` in [0, 1], for every patched layer,
+    or a mapping {layer index: lambda} that gives every patched layer its own (progressive healing;
+    keys may be digit strings, as in the saved JSON). Each patched layer's update becomes
+    (1 - lambda) y + lambda (x_next - x), and a parallel-converted layer's FFN reads
     (1 - lambda) r + lambda h (r: the residual after attention, h: the block input). lambda = 0 is
     bit-identical to the unpatched model, 1 to the patch. Recorded in the saved patch, with the
     schedule (`schedule`, `steps`) that set it, if any."""
@@ -284,22 +286,50 @@ def set_homotopy(model, value: float, *, schedule: str | None = None, steps: int
     record = getattr(base.config, CONFIG_KEY, None)
     if get_config(base) is None or record is None:
         raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"hf_tangent.set_homotopy: lambda={value!r}; accepted: a number in [0, 1].")
+    children = tangent_layers(base)
+    values = _homotopy_values(value, [child.index for child in children])
     if schedule is not None and schedule not in HOMOTOPY_SCHEDULES:
         raise ValueError(f"hf_tangent.set_homotopy: schedule={schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
         raise ValueError(f"hf_tangent.set_homotopy: steps={steps!r}; accepted: an integer >= 0.")
-    for child in tangent_layers(base):
-        child.blend = float(value)
-    record["homotopy"] = {"lambda": float(value), "schedule": schedule, "steps": steps}
+    for child in children:
+        child.blend = values[child.index]
+    uniform = len(set(values.values())) <= 1
+    saved = next(iter(values.values()), 1.0) if uniform else {str(i): v for i, v in values.items()}
+    record["homotopy"] = {"lambda": saved, "schedule": schedule, "steps": steps}
     return model
 
 
-def get_homotopy(model) -> float:
-    """The patch's homotopy lambda (1.0 unless set_homotopy changed it)."""
-    children = tangent_layers(model)
-    return children[0].blend if children else 1.0
+def _is_lambda(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+
+
+def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
+    """{layer: lambda} for every patched layer, from one lambda or a per-layer mapping (checked)."""
+    if not isinstance(value, dict):
+        if not _is_lambda(value):
+            raise ValueError(f"hf_tangent.set_homotopy: lambda={value!r}; accepted: a number in [0, 1], or a "
+                             "mapping {layer index: number in [0, 1]} over the patched layers.")
+        return {i: float(value) for i in layers}
+    parsed = {}
+    for key, v in value.items():
+        index = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(index, bool) or not isinstance(index, int) or not _is_lambda(v):
+            raise ValueError(f"hf_tangent.set_homotopy: entry {key!r}: {v!r}; accepted: layer index -> number in [0, 1].")
+        parsed[index] = float(v)
+    if set(parsed) != set(layers):
+        raise ValueError(f"hf_tangent.set_homotopy: the mapping gives layers {sorted(parsed)}; accepted: exactly the "
+                         f"patched layers {layers}.")
+    return parsed
+
+
+def get_homotopy(model) -> float | dict[int, float]:
+    """The patch's homotopy lambda (1.0 unless set_homotopy changed it); {layer: lambda} when the
+    layers differ."""
+    values = {child.index: child.blend for child in tangent_layers(model)}
+    if len(set(values.values())) <= 1:
+        return next(iter(values.values()), 1.0)
+    return values
 
 
 def get_config(model) -> TangentConfig | None:

@@ -182,3 +182,77 @@ def study_curves(runs: list[dict], keys: dict[str, str], path: str, title: str, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+LABEL_COLORS = {"attractor": "tab:blue", "saddle": "tab:orange", "repeller": "tab:red", "neutral": "tab:grey"}
+
+
+def critical_eigenvalues(spectra: dict[str, list[list[list[float]]]], path: str, title: str) -> str:
+    """One panel per field: the tangent-Jacobian eigenvalues (Re, Im) of each layer's best candidate,
+    divided by their spectral radius so that layers share one scale."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(spectra), figsize=(4.2 * len(spectra), 3.8), squeeze=False)
+    for ax, (field, per_layer) in zip(axes[0], spectra.items(), strict=True):
+        for eig in per_layer:
+            radius = max(math.hypot(a, b) for a, b in eig) or 1.0
+            ax.scatter([a / radius for a, _ in eig], [b / radius for _, b in eig], s=2, alpha=0.3)
+        ax.axvline(0.0, color="grey", lw=0.8)
+        ax.set_xlabel("Re lambda / spectral radius")
+        ax.set_ylabel("Im lambda / spectral radius")
+        ax.set_title(f"{field} ({len(per_layer)} layers)")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def label_bars(counts: dict[str, dict[int, dict[str, int]]], path: str, title: str) -> str:
+    """Stacked bars of candidate labels per layer, one panel per field."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(counts), 1, figsize=(8, 2.4 * len(counts)), squeeze=False, sharex=True)
+    for ax, (field, per_layer) in zip(axes[:, 0], counts.items(), strict=True):
+        layers = sorted(per_layer)
+        bottom = [0] * len(layers)
+        for label, color in LABEL_COLORS.items():
+            values = [per_layer[i].get(label, 0) for i in layers]
+            ax.bar(layers, values, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_ylabel(f"{field}\ncandidates")
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    axes[-1, 0].set_xlabel("layer")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def pressure_curves(summary: list[dict], path: str, title: str) -> str:
+    """D at the last layer's output and the mean FFN lift against the attention logit factor."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for variant in dict.fromkeys(r["variant"] for r in summary):
+        rows = sorted((r for r in summary if r["variant"] == variant), key=lambda r: -r["factor"])
+        x = [r["factor"] for r in rows]
+        axes[0].plot(x, [r["output"] for r in rows], marker="o", label=variant)
+        axes[1].plot(x, [r["ffn_lift"] for r in rows], marker="o", label=variant)
+    for ax, ylabel in zip(axes, ("D at the output", "mean FFN lift of D (after FFN - after attention)"), strict=True):
+        ax.invert_xaxis()  # left to right: more pressure
+        ax.set_xlabel("attention logit factor (1: model, 0: uniform average)")
+        ax.set_ylabel(ylabel)
+    axes[1].axhline(0.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def gain_histograms(rows: list[dict], path: str, title: str, panels: int = 6) -> str:
+    """Histograms of the activation derivative sigma'(z) at the pre-activations, for a few layers."""
+    plt = _pyplot()
+    chosen = rows if len(rows) <= panels else [rows[round(k * (len(rows) - 1) / (panels - 1))] for k in range(panels)]
+    fig, axes = plt.subplots(1, len(chosen), figsize=(2.6 * len(chosen), 2.8), squeeze=False, sharey=True)
+    for ax, r in zip(axes[0], chosen, strict=True):
+        counts = r["gain_histogram"]
+        width = 2.0 / len(counts)
+        total = sum(counts) or 1.0
+        ax.bar([-0.5 + width * (k + 0.5) for k in range(len(counts))], [c / total for c in counts], width=width)
+        ax.set_title(f"layer {r['layer']}", fontsize=9)
+        ax.set_xlabel("sigma'(z)")
+    axes[0, 0].set_ylabel("fraction of units")
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -21,7 +21,8 @@ from .verdicts import summarize, verdict, verdict_outcome
 @dataclass
 class Report:
     """The result of one experiment (`kind`: eval, calibrate, finetune, diagnose, ablate,
-    sensitivity, parallel-sweep, study, heal); `data` is what report.json holds."""
+    sensitivity, parallel-sweep, study, heal, critical, pressure,
+    ffn-jacobian); `data` is what report.json holds."""
 
     kind: str
     data: dict
@@ -371,7 +372,8 @@ def heal_markdown(report: dict) -> str:
         f"# hf-tangent heal: {report['model']} ({report['patch']['update']}, {st['method']})",
         "",
         f"Distillation from the unpatched model: KL at T={st['temperature']}, LM weight {st['lm_weight']}, "
-        f"{st['schedule']} homotopy over {st['homotopy_fraction']:.0%} of {t['max_steps']} steps (AdamW, lr "
+        f"{st['schedule']} homotopy over {st['homotopy_fraction']:.0%} of {t['max_steps']} steps"
+        f"{'' if st.get('stages', 1) == 1 else ', progressive in ' + str(st['stages']) + ' layer groups'} (AdamW, lr "
         f"{t['learning_rate']}, {t['lr_scheduler']}); seeds {report['seeds']}; {report['train_windows']} training and "
         f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
         "",
@@ -398,10 +400,98 @@ def _plot_heal(data, folder):
                               title=f"heal {data['patch']['update']}, {data['model']}")]
 
 
+def critical_markdown(report: dict) -> str:
+    fields = report["fields"]
+    lines = [f"# hf-tangent critical: {report['model']}", "",
+             f"Reduced fields per layer ({report['composition']}); candidates: zero score ||P_u F|| / ||F|| < "
+             f"{report['threshold']} after {report['steps']} Adam steps and Levenberg-Marquardt refinement, from "
+             f"{report['random_starts']} random and {report['token_starts']} token starts ({report['windows']} windows "
+             f"x {report['seq_len']} tokens of {report['text']}); a real part counts as zero below {report['rel_tol']} "
+             f"x the spectral radius; {report['seconds']} s.", "",
+             "| field | starts | converged | distinct candidates | attractor | saddle | repeller | neutral |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for f in fields:
+        t = report["totals"][f]
+        n = t["candidates"]
+        pct = lambda k, t=t, n=n: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
+        lines.append(f"| {f} | {t['starts']} | {t['converged']} | {n} | {pct('attractor')} | {pct('saddle')} | "
+                     f"{pct('repeller')} | {pct('neutral')} |")
+    lines += ["", "Per layer (distinct candidates: attractor / saddle / repeller / neutral; best zero score):", "",
+              "| layer | " + " | ".join(fields) + " | s |", "|---:" + "|---" * len(fields) + "|---:|"]
+    for r in report["layers"]:
+        cells = []
+        for f in fields:
+            c, cand = r["fields"][f]["counts"], r["fields"][f]["candidates"]
+            best = f"; {min(x['score'] for x in cand):.3f}" if cand else ""
+            cells.append(f"{c['attractor']}/{c['saddle']}/{c['repeller']}/{c['neutral']}{best}")
+        lines.append(f"| {r['layer']} | " + " | ".join(cells) + f" | {r['seconds']} |")
+    errors = [c["decomposition_error"] for r in report["layers"] for c in r["fields"].get("full", {}).get("candidates", [])
+              if "decomposition_error" in c]
+    if errors:
+        lines += ["", f"Decomposition J = J_A + J_Phi at the full field's {len(errors)} candidates: relative error "
+                  f"max {max(errors):.2e}."]
+    lines += ["", "![eigenvalues](critical_eigenvalues.png)", "", "![labels](critical_labels.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_critical(data, folder):
+    spectra = {f: [r["fields"][f]["best_eigenvalues"] for r in data["layers"] if r["fields"][f]["best_eigenvalues"]]
+               for f in data["fields"]}
+    counts = {f: {r["layer"]: r["fields"][f]["counts"] for r in data["layers"]} for f in data["fields"]}
+    return [plots.critical_eigenvalues(spectra, os.path.join(folder, "critical_eigenvalues.png"),
+                                       f"{data['model']}: tangent-Jacobian spectra of the best candidate per layer"),
+            plots.label_bars(counts, os.path.join(folder, "critical_labels.png"), f"{data['model']}: candidate types")]
+
+
+def pressure_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent pressure: {report['model']}", "",
+             f"Spherical diversity D = 1 - ||mean u||^2 over each sequence, with every attention's logit scale "
+             f"multiplied by the factor (1: the model; 0: a uniform average over the visible tokens), per FFN variant "
+             f"in all layers; {report['windows']} windows x {report['seq_len']} tokens of {report['text']}; means over "
+             f"layers {report['layers'][0]}..{report['layers'][-1]}; {report['seconds']} s.", "",
+             "| factor | variant | D after attention | D after FFN | FFN lift | D at the output |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in report["summary"]:
+        lines.append(f"| {r['factor']:g} | {r['variant']} | {r['after_attention']:.4f} | {r['after_ffn']:.4f} | "
+                     f"{r['ffn_lift']:+.4f} | {r['output']:.4f} |")
+    return "\n".join(lines + ["", "![pressure](pressure_curves.png)"]) + "\n"
+
+
+def ffn_jacobian_markdown(report: dict) -> str:
+    ablations = sorted({k.removeprefix("ablation_") for r in report["layers"] for k in r if k.startswith("ablation_")})
+    lines = [f"# hf-tangent ffn-jacobian: {report['model']}", "",
+             f"{report['tokens']} sampled tokens per layer from {report['windows']} windows x {report['seq_len']} tokens "
+             f"of {report['text']}. J = r P_u DPhi(x) P_u (the FFN's response per radian of rotation of its input); "
+             "radial fraction ||u u^T DPhi P_u||_F^2 / ||DPhi P_u||_F^2; activation gain sigma'(z): off "
+             f"{report['regimes']['off']}, linear {report['regimes']['linear']}; top-{report['top_k']} share: the "
+             f"top-{report['top_k']} hidden units' share of P_u y; {report['seconds']} s.", "",
+             "| layer | spectral norm of J | norm of Phi(x) | eff. rank | radial frac. | gain off | gain linear | gain transition | top share | "
+             "top units (count) | C_l |" + "".join(f" {a} |" for a in ablations),
+             "|---:" * (11 + len(ablations)) + "|"]
+    for r in report["layers"]:
+        units = ", ".join(f"{u} ({n})" for u, n in r["top_units"][:3])
+        lines.append(f"| {r['layer']} | {r['spectral_norm']:.3g} | {r['output_norm']:.3g} | {r['effective_rank']:.1f} | {r['radial_fraction']:.3f} | "
+                     f"{r['gain']['off']:.3f} | {r['gain']['linear']:.3f} | {r['gain']['transition']:.3f} | "
+                     f"{r['top_share']:.3f} | {units} | " + (f"{r['c_l']:.3f}" if r["c_l"] is not None else "-") + " |"
+                     + "".join(f" {r['ablation_' + a]:+.4f} |" if r.get("ablation_" + a) is not None else " - |"
+                               for a in ablations))
+    lines += ["", "Spearman rank correlation across layers:", "", "| figure | " + " | ".join(
+        next(iter(report["spearman"].values())).keys()) + " |", "|---" * (1 + len(next(iter(report["spearman"].values())))) + "|"]
+    for figure, row in report["spearman"].items():
+        lines.append(f"| {figure} | " + " | ".join("-" if v is None else f"{v:+.2f}" for v in row.values()) + " |")
+    return "\n".join(lines + ["", "![gain](gain_histograms.png)"]) + "\n"
+
+
 MARKDOWN = {"eval": eval_markdown, "calibrate": calibrate_markdown, "finetune": finetune_markdown,
             "diagnose": diagnose_markdown, "ablate": ablate_markdown, "sensitivity": sensitivity_markdown,
-            "parallel-sweep": sweep_markdown, "study": study_markdown, "heal": heal_markdown}
+            "parallel-sweep": sweep_markdown, "study": study_markdown, "heal": heal_markdown,
+            "critical": critical_markdown, "pressure": pressure_markdown, "ffn-jacobian": ffn_jacobian_markdown}
 PLOTS = {"calibrate": _plot_calibrate, "finetune": _plot_finetune, "ablate": _plot_ablate,
          "diagnose": lambda data, folder: [plots.diagnostics_layers(
              data["layers"], os.path.join(folder, "diagnostics_layers.png"), title=f"{data['model']} ({data['update']})")],
-         "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study, "heal": _plot_heal}
+         "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study, "heal": _plot_heal,
+         "critical": _plot_critical,
+         "pressure": lambda data, folder: [plots.pressure_curves(
+             data["summary"], os.path.join(folder, "pressure_curves.png"), f"{data['model']}: diversity under pressure")],
+         "ffn-jacobian": lambda data, folder: [plots.gain_histograms(
+             data["layers"], os.path.join(folder, "gain_histograms.png"), f"{data['model']}: activation gain")]}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import TangentConfig
-from .patching import CHILD_NAME, CONFIG_KEY, patch, set_homotopy, tangent_layers
+from .patching import CHILD_NAME, CONFIG_KEY, _is_lambda, patch, set_homotopy, tangent_layers
 from .registry import ArchitectureSpec, architecture
 from .wrappers import full_state_dict, model_class, unwrap
 
@@ -61,10 +61,12 @@ def _check_record(record, where: str) -> dict:
     homotopy = record.get("homotopy")
     if homotopy is not None:  # set_homotopy's lambda and schedule (optional)
         value = homotopy.get("lambda") if isinstance(homotopy, dict) else None
-        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0
+        values = list(value.values()) if isinstance(value, dict) and all(
+            isinstance(k, str) and k.isdigit() for k in value) else [value]
+        if (not values or not all(_is_lambda(v) for v in values)
                 or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")):
-            _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1], 'schedule': "
-                         f"'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
+            _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1] or {{layer: number}}, "
+                         f"'schedule': 'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
     if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)
         try:
             ArchitectureSpec.from_dict(record["architecture"])

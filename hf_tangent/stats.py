@@ -46,3 +46,33 @@ def paired_summary(runs: list[dict], baseline: str, metric: str) -> list[dict]:
                      "delta_mean": statistics.fmean(deltas) if deltas else math.nan,
                      "p_value": paired_permutation_test(deltas) if variant != baseline else math.nan})
     return rows
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties given their average rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (Pearson on average ranks); None below 3 pairs or for a constant side."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: {len(a)} and {len(b)} values; the two sides must pair up.")
+    if len(a) < 3:
+        return None
+    ra, rb = _ranks(list(a)), _ranks(list(b))
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    sa = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    sb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    if sa == 0 or sb == 0:
+        return None
+    return sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True)) / (sa * sb)

@@ -79,6 +79,47 @@ def test_homotopy_schedules():
         HomotopyCallback(4, "cubic")
 
 
+def test_progressive_homotopy_moves_one_layer_group_at_a_time():
+    callback = HomotopyCallback(6, stages=3)
+    for step in range(8):
+        expected = {i: min(max((step - 2 * g) / 2, 0.0), 1.0) for g, i in enumerate((0, 1, 2))}  # 2 steps per group
+        assert callback.lambdas(step, [0, 1, 2]) == expected
+    # 5 layers in 2 groups: depth order, the first round(5/2) = 2 layers first
+    assert HomotopyCallback(4, stages=2).lambdas(1, [3, 4, 5, 6, 7]) == {3: 0.5, 4: 0.5, 5: 0.0, 6: 0.0, 7: 0.0}
+    with pytest.raises(ValueError, match="stages=4 > the 3 patched layers; accepted: at most 3"):
+        HomotopyCallback(6, stages=4).lambdas(0, [0, 1, 2])
+    with pytest.raises(ValueError, match="stages=0; accepted: an integer >= 1"):
+        HomotopyCallback(6, stages=0)
+
+
+def test_per_layer_lambda_equals_patching_only_the_layers_at_one(ids):
+    # lambda 0 on a layer is bit-identical to leaving it unpatched, so {0: 0, 1: 1, 2: 0} on an
+    # all-layer patch must give exactly the logits of a patch of layer 1 alone.
+    config = ht.TangentConfig(update="norm_preserving")
+    staged = ht.set_homotopy(ht.patch(make_tiny("llama"), config), {0: 0.0, 1: 1.0, 2: 0.0})
+    alone = ht.patch(make_tiny("llama"), ht.TangentConfig(update="norm_preserving", layers=[1]))
+    assert torch.equal(logits(staged, ids), logits(alone, ids))
+    assert ht.get_homotopy(staged) == {0: 0.0, 1: 1.0, 2: 0.0}
+    assert staged.config.hf_tangent["homotopy"]["lambda"] == {"0": 0.0, "1": 1.0, "2": 0.0}
+    with pytest.raises(ValueError, match=r"the mapping gives layers \[0, 1\]; accepted: exactly the patched layers \[0, 1, 2\]"):
+        ht.set_homotopy(staged, {0: 0.5, 1: 0.5})
+    with pytest.raises(ValueError, match="entry 'x': 0.5; accepted: layer index -> number in"):
+        ht.set_homotopy(staged, {"x": 0.5, 1: 0.5, 2: 0.5})
+    assert ht.get_homotopy(staged) == {0: 0.0, 1: 1.0, 2: 0.0}  # a refused call changes nothing
+
+
+def test_resume_mid_progressive_homotopy(tmp_path):
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    _, full = _heal(model, tmp_path / "a", 4, homotopy_steps=4, save_steps=2, stages=2)
+    resumed_model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    _, resumed = _heal(resumed_model, tmp_path / "a", 4, homotopy_steps=4, stages=2,
+                       resume=str(tmp_path / "a" / "checkpoint-2"))
+    # 3 layers in 2 groups: [0, 1] then [2], 2 steps each
+    assert resumed.values[0] == (2, {0: 1.0, 1: 1.0, 2: 0.0}) == next(v for v in full.values if v[0] == 2)
+    assert (3, {0: 1.0, 1: 1.0, 2: 0.5}) in resumed.values
+    assert ht.get_homotopy(resumed_model) == 1.0
+
+
 def test_distillation_loss_against_an_independent_kl():
     torch.manual_seed(0)
     s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
@@ -108,12 +149,13 @@ def test_teacher_is_the_unpatched_model_without_adapters_and_is_restored(ids):
     assert torch.equal(logits(wrapped, ids), student)
 
 
-def _heal(model, tmp_path, steps, *, homotopy_steps, resume=None, save_steps=0, seed=0, lr=3e-3, n=16, batch=4):
+def _heal(model, tmp_path, steps, *, homotopy_steps, resume=None, save_steps=0, seed=0, lr=3e-3, n=16, batch=4,
+          stages=1):
     torch.manual_seed(seed)
     data = lm_dataset(torch.randint(0, 128, (n, 16)))
     args = training_arguments(str(tmp_path), max_steps=steps, learning_rate=lr, batch_size=batch, save_steps=save_steps,
                               seed=seed, resume_from_checkpoint=resume)
-    callback = HomotopyCallback(homotopy_steps)
+    callback = HomotopyCallback(homotopy_steps, stages=stages)
     trainer = train(model, data, args, callbacks=[callback], trainer_class=heal_trainer_class())
     return trainer, callback
 
@@ -142,9 +184,11 @@ def test_resume_mid_homotopy_continues_the_schedule(tmp_path):
     assert full.values[-1] == (4, 1.0)
 
 
-def test_homotopy_round_trips_through_save_and_reload(tmp_path, ids):
+@pytest.mark.parametrize("value", [0.4, {0: 0.2, 1: 0.9, 2: 0.4}], ids=["uniform", "per_layer"])
+def test_homotopy_round_trips_through_save_and_reload(tmp_path, ids, value):
     model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="retract", p=2.0, gates=True))
-    ht.set_homotopy(model, 0.4, schedule="cosine", steps=10)
+    ht.set_homotopy(model, value, schedule="cosine", steps=10)
+    saved = value if not isinstance(value, dict) else {str(k): v for k, v in value.items()}
     expected = logits(model, ids)
     ht.save_pretrained(model, tmp_path / "m")
     torch.save((ids, expected), tmp_path / "io.pt")
@@ -152,8 +196,8 @@ def test_homotopy_round_trips_through_save_and_reload(tmp_path, ids):
         import torch, hf_tangent as ht
         ids, expected = torch.load({str(tmp_path / 'io.pt')!r})
         model = ht.from_pretrained({str(tmp_path / 'm')!r}).eval()
-        assert ht.get_homotopy(model) == 0.4
-        assert model.config.hf_tangent["homotopy"] == {{"lambda": 0.4, "schedule": "cosine", "steps": 10}}
+        assert ht.get_homotopy(model) == {value!r}
+        assert model.config.hf_tangent["homotopy"] == {{"lambda": {saved!r}, "schedule": "cosine", "steps": 10}}
         with torch.no_grad():
             assert torch.equal(model(ids).logits, expected)
         print("ok")
@@ -174,8 +218,8 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     code = cli.main(["heal", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
                      "--calibration-files", str(austen_dir / "northangerabbey.txt"),
                      "--seq-len", "32", "--max-windows", "4", "--train-windows", "16", "--max-steps", "6",
-                     "--per-device-train-batch-size", "4", "--update", "retract p=2 (cayley)", "--layers", "0",
-                     "--homotopy-fraction", "0.5", "--save-models", "true", "--output-dir", str(out)])
+                     "--per-device-train-batch-size", "4", "--update", "retract p=2 (cayley)", "--layers", "0", "1",
+                     "--homotopy-fraction", "0.5", "--stages", "2", "--save-models", "true", "--output-dir", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     run = report["runs"][0]
@@ -195,6 +239,7 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     card = (out / "runs" / "seed0" / "model" / "README.md").read_text()
     assert "healed" in card and f"{run['healed']['nll']:.4f}" in card
     assert "| mean |" in (out / "report.md").read_text()
+    assert "progressive in 2 layer groups" in (out / "report.md").read_text() and report["settings"]["stages"] == 2
     with pytest.raises(SystemExit):
         cli.main(["heal", "--model", str(tiny_lm_folder), "--update", "nope"])
 

@@ -37,6 +37,9 @@ class HealArguments:
     homotopy_fraction: float = field(default=0.5, metadata={
         "help": "fraction of the steps over which the patch moves from the identity to the target (0: direct)"})
     schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "homotopy schedule"})
+    stages: int = field(default=1, metadata={
+        "help": "progressive healing: the patched layers in this many groups (depth order), each moved to the "
+                "target in turn during the homotopy (1: all layers at once)"})
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "one run per seed"})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
@@ -61,7 +64,7 @@ def heal_command(args) -> int:
         tangent = dataclasses.replace(update_variants()[options.update], layers=options.layers,
                                       parallel_layers=tuple(options.parallel_layers or ()))
         settings = HealSettings(options.method, options.temperature, options.lm_weight, options.homotopy_fraction,
-                                options.schedule)
+                                options.schedule, options.stages)
     except ValueError as err:
         raise CommandError(str(err)) from err
     preflight(text, calibration, training, output_dir=training.output_dir)

@@ -15,7 +15,7 @@ from ..data import TextSource
 from ..evaluation import perplexity
 from ..heal import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
-from ..patching import get_config, patch
+from ..patching import get_config, get_homotopy, patch
 from ..reports import Report
 from ..stats import paired_permutation_test
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
@@ -37,19 +37,23 @@ class HealTrainingArguments(TangentTrainingArguments):
 @dataclasses.dataclass
 class HealSettings:
     """What healing does: the loss (KL at `temperature`, mixed with the LM loss by `lm_weight`) and
-    the homotopy (lambda 0 -> 1 over `homotopy_fraction` of the steps; 0: the target from step 0)."""
+    the homotopy (lambda 0 -> 1 over `homotopy_fraction` of the steps; 0: the target from step 0),
+    all layers at once or progressively in `stages` groups (heal.HomotopyCallback)."""
 
     method: str = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full" (a frozen copy)
     temperature: float = 1.0
     lm_weight: float = 0.0
     homotopy_fraction: float = 0.5
     schedule: str = "linear"
+    stages: int = 1
 
     def __post_init__(self):
         if self.method not in ("lora", "full"):
             raise ValueError(f"method={self.method!r}; accepted: 'lora', 'full'.")
         if not 0.0 <= self.homotopy_fraction <= 1.0:
             raise ValueError(f"homotopy_fraction={self.homotopy_fraction!r}; accepted: a number in [0, 1].")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages={self.stages!r}; accepted: an integer >= 1 (1: all layers at once).")
 
 
 def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -79,7 +83,8 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
                                                  lora_dropout=0.0))
     run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
     run_args = dataclasses.replace(args, output_dir=run_dir, seed=seed, data_seed=seed)
-    homotopy = HomotopyCallback(round(settings.homotopy_fraction * run_args.max_steps), settings.schedule)
+    homotopy = HomotopyCallback(round(settings.homotopy_fraction * run_args.max_steps), settings.schedule,
+                                settings.stages)
     trainer = train(model, dataset, run_args, callbacks=[homotopy], trainer_class=heal_trainer_class(),
                     temperature=settings.temperature, lm_weight=settings.lm_weight, teacher=teacher)
     model.eval()
@@ -99,10 +104,11 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
             "results": (f"Held-out NLL: unpatched {unpatched:.4f}, patch untrained {untrained['nll']:.4f} "
                         f"({untrained['nll'] - unpatched:+.4f}), healed {healed['nll']:.4f} "
                         f"({healed['nll'] - unpatched:+.4f}) nats/token.")})
+    final = get_homotopy(model)
     del model, trainer, teacher
     gc.collect()
     return {"seed": seed, "untrained": untrained, "healed": healed, "loss_curve": curve, "saved": saved,
-            "homotopy": homotopy.values[-1][1] if homotopy.values else 1.0}
+            "homotopy": final if not isinstance(final, dict) else {str(i): v for i, v in final.items()}}
 
 
 def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,

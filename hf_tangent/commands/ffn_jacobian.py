@@ -1,0 +1,43 @@
+"""`hf-tangent ffn-jacobian`: per layer and token, the FFN's Jacobian on the tangent space, the
+activation gain and the keys/values view, next to C_l and the ablation costs (docs/geometry.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arguments import (
+    EvalTextArguments,
+    ModelArguments,
+    RunArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+
+@dataclass
+class FfnJacobianArguments:
+    layers: list[int] | None = field(default=None, metadata={"help": "layers to analyse (default all)"})
+    tokens: int = field(default=16, metadata={"help": "sampled tokens per layer (one d x d Jacobian each)"})
+    top_k: int = field(default=8, metadata={"help": "hidden units counted in the keys/values view"})
+    ablation_report: str | None = field(default=None, metadata={
+        "help": "report.json of `hf-tangent ablate --layerwise`, to set the per-layer ablation costs beside"})
+
+
+def ffn_jacobian_command_parser(subparsers):
+    return add_command(subparsers, "ffn-jacobian", (ModelArguments, EvalTextArguments, RunArguments, FfnJacobianArguments),
+                       "FFN Jacobian, activation gain and keys/values view per layer (docs/geometry.md)",
+                       ffn_jacobian_command)
+
+
+def ffn_jacobian_command(args) -> int:
+    from ..experiments.geometry import ffn_jacobian
+
+    model, text, run, options = dataclasses_of(args.parser, args)
+    preflight(text, run, output_dir=run.output_dir, device=run.device)
+    report = ffn_jacobian(model.model, text=text_source(text), layers=options.layers, tokens=options.tokens,
+                          top_k=options.top_k, ablation_report=options.ablation_report, seq_len=text.seq_len,
+                          max_windows=text.max_windows, dtype=model.dtype, device=run.device, seed=run.seed)
+    report.save(run.output_dir, echo=True)
+    return 0

@@ -1,0 +1,45 @@
+"""`hf-tangent pressure`: spherical diversity after attention and after the FFN as attention is made
+to average more tokens, for the full, tangential-only, radial-only and zero FFN (docs/geometry.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arguments import (
+    EvalTextArguments,
+    ModelArguments,
+    RunArguments,
+    add_command,
+    dataclasses_of,
+    preflight,
+    text_source,
+)
+
+VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
+
+
+@dataclass
+class PressureArguments:
+    factors: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25, 0.1, 0.0], metadata={
+        "help": "attention logit-scale factors (1: the model, 0: uniform averaging = most pressure)"})
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={
+        "help": "FFN variants in all layers: " + ", ".join(VARIANTS)})
+    layers: list[int] | None = field(default=None, metadata={"help": "layers whose diversity is recorded (default all)"})
+
+
+def pressure_command_parser(subparsers):
+    return add_command(subparsers, "pressure", (ModelArguments, EvalTextArguments, RunArguments, PressureArguments),
+                       "spherical diversity under growing attention aggregation, per FFN variant (docs/geometry.md)",
+                       pressure_command)
+
+
+def pressure_command(args) -> int:
+    from ..experiments.geometry import pressure
+
+    model, text, run, options = dataclasses_of(args.parser, args)
+    preflight(text, run, output_dir=run.output_dir, device=run.device)
+    report = pressure(model.model, text=text_source(text), factors=options.factors, variants=options.variants,
+                      layers=options.layers, seq_len=text.seq_len, max_windows=text.max_windows, dtype=model.dtype,
+                      device=run.device, seed=run.seed)
+    report.save(run.output_dir, echo=True)
+    return 0

@@ -1,0 +1,195 @@
+"""Residual geometry of a frozen model (geometry.py): `critical` (critical directions of the reduced
+fields and their tangent-Jacobian types, the paper's Table 2), `pressure` (spherical diversity under
+growing attention aggregation, per FFN variant) and `ffn_jacobian` (per-token FFN Jacobian, gain and
+keys/values view, next to C_l and the ablation costs)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import torch
+
+from ..ablation import VARIANTS as ABLATIONS
+from ..geometry import (
+    FIELDS,
+    GAIN_REGIMES,
+    FfnProbe,
+    block_inputs,
+    critical_directions,
+    ffn_inputs,
+    gain_regimes,
+    label_counts,
+    pressure_diversity,
+)
+from ..parallel import sensitivity
+from ..registry import decoder_layers
+from ..reports import Report
+from ..stats import spearman
+from .analysis import _setup
+from .common import Clock, progress_bar
+
+PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
+
+
+def _layers(model, layers):
+    n = len(decoder_layers(model))
+    chosen = list(range(n)) if layers is None else list(layers)
+    bad = [i for i in chosen if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layer indices {bad} out of range; accepted: 0..{n - 1}.")
+    return chosen
+
+
+def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = None, fields: list[str] = FIELDS,
+             random_starts: int = 32, token_starts: int = 32, steps: int = 300, threshold: float = 0.05,
+             rel_tol: float = 1e-2, seq_len: int = 256, max_windows: int = 2, dtype: str = "float32",
+             device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
+    """Critical-direction candidates of the OV-only, FFN-only and full reduced fields of every layer
+    (docs/geometry.md), from `random_starts` Gaussian and `token_starts` real token directions (block
+    inputs on `max_windows` windows of held-out text), with their tangent-Jacobian labels. The
+    `critical` report: per layer and field the starts, how many converged (zero score < threshold)
+    and the distinct candidates' labels; the full spectrum of each field's best candidate per layer.
+
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
+        steps: Adam steps per start; threshold: zero score ||P_u F|| / ||F|| accepted;
+        rel_tol: a real part counts as zero below rel_tol * the spectral radius.
+    """
+    bad = [f for f in fields if f not in FIELDS]
+    if bad:
+        raise ValueError(f"unknown fields {bad}; accepted: {', '.join(FIELDS)}.")
+    if min(random_starts, token_starts) < 0 or random_starts + token_starts == 0:
+        raise ValueError(f"random_starts={random_starts}, token_starts={token_starts}: need >= 0 each, > 0 together.")
+    model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
+    chosen = _layers(model, layers)
+    clock = Clock()
+    starts = block_inputs(model, held_out, chosen, token_starts, seed) if token_starts else {
+        i: torch.zeros(0, model.get_input_embeddings().weight.shape[-1]) for i in chosen}
+    rows = []
+    with progress_bar(progress, len(chosen), "hf-tangent critical", "layer") as bar:
+        for i in chosen:
+            layer_clock = Clock()
+            result = critical_directions(model, i, starts[i], random_starts=random_starts, fields=fields, steps=steps,
+                                         threshold=threshold, rel_tol=rel_tol, seed=seed)
+            row = {"layer": i, "seconds": layer_clock.seconds, "fields": {}}
+            for field, found in result["fields"].items():
+                candidates = found["candidates"]
+                best = min(candidates, key=lambda c: c["score"]) if candidates else None
+                row["fields"][field] = {
+                    "starts": found["starts"], "converged": found["converged"], "counts": label_counts(candidates),
+                    "candidates": [{k: v for k, v in c.items() if k != "eigenvalues"} for c in candidates],
+                    "best_eigenvalues": [[round(a, 5), round(b, 5)] for a, b in best["eigenvalues"]] if best else None}
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
+    totals = {f: {"candidates": sum(len(r["fields"][f]["candidates"]) for r in rows),
+                  "converged": sum(r["fields"][f]["converged"] for r in rows),
+                  "starts": sum(r["fields"][f]["starts"] for r in rows),
+                  "counts": dict(sum((Counter(r["fields"][f]["counts"]) for r in rows), Counter()))} for f in fields}
+    return Report("critical", {
+        "command": "critical", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
+        "fields": list(fields), "random_starts": random_starts, "token_starts": token_starts, "steps": steps,
+        "threshold": threshold, "rel_tol": rel_tol, "composition": "additive: F = F_A + F_Phi (docs/geometry.md)",
+        "layers": rows, "totals": totals, "seconds": clock.seconds, **env})
+
+
+def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
+             variants: list[str] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
+             max_windows: int = 4, dtype: str = "float32", device: str | None = None, seed: int = 0,
+             progress: bool = True) -> Report:
+    """Spherical diversity D before attention, after attention and after the FFN, per layer, as the
+    attention logit scale is multiplied by each `factor` (1: the model; 0: uniform averaging, the
+    most aggregation pressure), for every FFN variant (full, tangential-only, radial-only, zero).
+    The `pressure` report."""
+    bad = [v for v in variants if v not in ABLATIONS or v == "attention_zero"]
+    if bad or not variants:
+        raise ValueError(f"FFN variants {bad or variants}; accepted: {', '.join(PRESSURE_VARIANTS)}.")
+    bad = [f for f in factors if isinstance(f, bool) or not isinstance(f, (int, float)) or f < 0]
+    if bad or not factors:
+        raise ValueError(f"pressure factors {bad or factors}; accepted: numbers >= 0 (1: the model's own scale).")
+    model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
+    chosen = _layers(model, layers)
+    clock = Clock()
+    with progress_bar(progress, len(factors), "hf-tangent pressure", "factor") as bar:
+        rows = pressure_diversity(model, held_out, [float(f) for f in factors], list(variants), layers=chosen,
+                                  progress=bar)
+    return Report("pressure", {
+        "command": "pressure", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
+        "factors": [float(f) for f in factors], "variants": list(variants), "layers": chosen, "rows": rows,
+        "summary": pressure_summary(rows), "seconds": clock.seconds, **env})
+
+
+def pressure_summary(rows: list[dict]) -> list[dict]:
+    """Per (factor, variant): D after attention and after the FFN averaged over layers, the FFN's lift
+    (after FFN - after attention) averaged over layers, and D at the last layer's output."""
+    out = []
+    for key in dict.fromkeys((r["factor"], r["variant"]) for r in rows):
+        sel = [r for r in rows if (r["factor"], r["variant"]) == key]
+        last = max(sel, key=lambda r: r["layer"])
+        mean = lambda k, sel=sel: sum(r[k] for r in sel) / len(sel)  # noqa: E731
+        out.append({"factor": key[0], "variant": key[1], "after_attention": mean("after_attention"),
+                    "after_ffn": mean("after_ffn"), "ffn_lift": mean("after_ffn") - mean("after_attention"),
+                    "output": last["after_ffn"]})
+    return out
+
+
+def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None = None, tokens: int = 16,
+                 top_k: int = 8, ablation_report: str | None = None, seq_len: int = 256, max_windows: int = 2,
+                 dtype: str = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
+    """Per layer, over a seeded sample of `tokens` real FFN inputs: the spectral norm and effective rank
+    of the FFN's Jacobian on the tangent space (per radian of rotation), its radial fraction, the
+    activation's derivative at the pre-activations (off / linear / transition), the top-k hidden
+    units' share of the tangential update (keys/values view); next to C_l on the same windows and,
+    with `ablation_report` (an `ablate --layerwise` report.json), the per-layer ablation costs, with
+    Spearman correlations. The `ffn-jacobian` report."""
+    if tokens < 1 or top_k < 1:
+        raise ValueError(f"tokens={tokens}, top_k={top_k}: both must be >= 1.")
+    costs = _ablation_costs(ablation_report) if ablation_report else {}
+    model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
+    chosen = _layers(model, layers)
+    clock = Clock()
+    sens = sensitivity(model, held_out)
+    inputs = ffn_inputs(model, held_out, chosen, tokens, seed)
+    rows = []
+    with progress_bar(progress, len(chosen), "hf-tangent ffn-jacobian", "layer") as bar:
+        for i in chosen:
+            layer_clock = Clock()
+            measured = FfnProbe(model, i).measure(inputs[i].to(next(model.parameters()).device), top_k)
+            gain = measured["gain"].flatten().cpu()
+            units = Counter(measured["top_units"].flatten().tolist()).most_common(5)
+            rows.append({
+                "layer": i, "tokens": len(inputs[i]), "seconds": layer_clock.seconds,
+                **{k: measured[k].mean().item() for k in ("spectral_norm", "effective_rank", "radial_fraction", "output_norm")},
+                "spectral_norm_q50": measured["spectral_norm"].median().item(),
+                "gain": gain_regimes(gain), "gain_mean": gain.mean().item(),
+                "gain_histogram": torch.histc(gain.clamp(-0.5, 1.5), bins=40, min=-0.5, max=1.5).tolist(),
+                "top_share": measured["top_share"].mean().item(), "top_units": [[u, n] for u, n in units],
+                "c_l": sens["scores"][i], **{f"ablation_{k}": v.get(i) for k, v in costs.items()}})
+            if bar is not None:
+                bar.update(1)
+    figures = {k: (lambda r, k=k: r[k]) for k in ("spectral_norm", "effective_rank", "radial_fraction", "top_share")}
+    figures |= {f"gain_{g}": (lambda r, g=g: r["gain"][g]) for g in ("off", "linear")}
+    against = ["c_l"] + [f"ablation_{k}" for k in costs]
+    correlations = {f: {a: spearman([get(r) for r in rows if r[a] is not None], [r[a] for r in rows if r[a] is not None])
+                        for a in against} for f, get in figures.items()}
+    return Report("ffn-jacobian", {
+        "command": "ffn-jacobian", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
+        "tokens": tokens, "top_k": top_k, "regimes": GAIN_REGIMES, "ablation_report": ablation_report,
+        "layers": rows, "spearman": correlations, "seconds": clock.seconds, **env})
+
+
+def _ablation_costs(path: str) -> dict[str, dict[int, float]]:
+    """{variant: {layer: loss increase}} from an `ablate --layerwise` report.json."""
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--ablation-report {path}: not a readable report.json ({err}).") from err
+    if data.get("command") != "ablate":
+        raise ValueError(f"--ablation-report {path}: not an `ablate` report (command={data.get('command')!r}).")
+    out: dict[str, dict[int, float]] = {}
+    for r in data.get("rows", []):
+        if r["layer"] != "all" and r["variant"] != "full":
+            out.setdefault(r["variant"], {})[int(r["layer"])] = r["increase"]
+    if not out:
+        raise ValueError(f"--ablation-report {path}: no per-layer rows; run `hf-tangent ablate --layerwise`.")
+    return out

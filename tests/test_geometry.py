@@ -1,0 +1,219 @@
+"""Residual geometry (geometry.py): critical directions and tangent Jacobians on fields with known
+answers, the reduced attention field against the weights and against the model's own forward, FFN
+Jacobians against finite differences, attention pressure against a hand-computed uniform average."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny
+
+import hf_tangent as ht
+from hf_tangent import cli, geometry
+from hf_tangent.reports import Report
+from hf_tangent.stats import spearman
+
+
+def _symmetric(d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g))
+    m = torch.tensor([3.0, 2.0, 1.0, -0.5, -1.0, -2.0])[:d]  # no 0: F = 0 there, the score undefined
+    return q, m, q @ torch.diag(m) @ q.T
+
+
+def test_linear_field_critical_directions_and_spectra():
+    # F(u) = M u, M symmetric: g = P_u M u vanishes exactly at the eigenvectors +-q_k, and there
+    # J = P (M - m_k I) P has eigenvalues m_j - m_k (j != k): top attractor, bottom repeller.
+    q, m, matrix = _symmetric()
+    field = lambda u: u @ matrix.T  # noqa: E731
+    found = geometry.find_critical(field, torch.randn(96, 6, generator=torch.Generator().manual_seed(1)),
+                                   max_refined=32, threshold=1e-4)
+    directions = found["directions"]
+    assert len(directions) == 12  # +-q_k for 6 eigenvectors, each found once
+    assert found["scores"].max() < 1e-4
+    for c, u in zip(geometry.analyse_critical(field, directions), directions, strict=True):
+        k = int((q.T @ u).abs().argmax())
+        assert (q[:, k] @ u).abs().item() == pytest.approx(1.0, abs=1e-5)
+        assert c["rho"] == pytest.approx(m[k].item(), abs=1e-4)
+        expected = sorted((m[j] - m[k]).item() for j in range(6) if j != k)
+        assert sorted(z.real for z in c["eigenvalues"].tolist()) == pytest.approx(expected, abs=1e-3)
+        assert c["label"] == {0: "attractor", 5: "repeller"}.get(k, "saddle")
+
+
+def test_rotational_field_is_neutral():
+    # F(u) = (I + S) u with S skew and S e = 0: +-e are critical, rho = 1, J = Q^T S Q is skew:
+    # purely imaginary eigenvalues in complex pairs, label neutral.
+    e = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    s = torch.zeros(4, 4)
+    s[0, 1], s[1, 0], s[0, 2], s[2, 0] = 2.0, -2.0, 1.0, -1.0
+    field = lambda u: u @ (torch.eye(4) + s).T  # noqa: E731
+    (c,) = geometry.analyse_critical(field, e[None])
+    assert c["rho"] == pytest.approx(1.0)
+    assert c["label"] == "neutral" and c["complex_pairs"] == 1 and abs(c["max_real"]) < 1e-9
+
+
+def test_batched_jacobian_matches_finite_differences():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    jac = geometry.batched_jacobian(net, x)
+    h = 1e-6
+    for n in range(3):
+        fd = torch.stack([(net(x[n] + h * e) - net(x[n] - h * e)) / (2 * h) for e in torch.eye(5, dtype=torch.float64)], 1)
+        assert torch.allclose(jac[n], fd, atol=1e-8)
+
+
+def test_attention_field_is_ov_of_the_input_norm():
+    # Independent computation from the weights: O V N_1(u) (GQA heads repeated), and GPT-2 with biases.
+    u = geometry.unit(torch.randn(5, 64, generator=torch.Generator().manual_seed(2)))
+    llama = make_tiny("llama")
+    layer = llama.model.layers[1]
+    v = layer.self_attn.v_proj(layer.input_layernorm(u)).view(5, 2, 16)
+    expected = layer.self_attn.o_proj(v.repeat_interleave(2, dim=1).reshape(5, 64))
+    assert torch.allclose(geometry.LayerFields(llama, 1).attention(u), expected, atol=1e-5)
+    gpt2 = make_tiny("gpt2")
+    block = gpt2.transformer.h[2]
+    value = block.attn.c_attn(block.ln_1(u))[:, 128:]
+    assert torch.allclose(geometry.LayerFields(gpt2, 2).attention(u), block.attn.c_proj(value), atol=1e-5)
+
+
+def test_attention_field_is_attention_on_a_sequence_sitting_at_u():
+    # Every token of a 7-token sequence at the same direction: each attention output row is F_A(u).
+    model = make_tiny("mistral")
+    u = geometry.unit(torch.randn(64, generator=torch.Generator().manual_seed(3)))
+    seen = {}
+    handle = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, o: seen.update(a=o[0]))
+    with torch.no_grad():
+        model(inputs_embeds=u.expand(1, 7, 64))
+    handle.remove()
+    expected = geometry.LayerFields(model, 0).attention(u[None])[0]
+    assert torch.allclose(seen["a"][0], expected.expand(7, 64), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox_parallel", "llama", "mistral"])
+def test_critical_directions_on_every_architecture(arch):
+    model = make_tiny(arch)
+    result = geometry.critical_directions(model, 1, torch.zeros(0, 64), random_starts=12, steps=120, threshold=0.2)
+    for name, found in result["fields"].items():
+        assert found["starts"] == 12 and len(found["candidates"]) <= found["converged"] <= 12
+        for c in found["candidates"]:
+            assert c["score"] < 0.2 and c["label"] in geometry.LABELS
+            assert c["positive"] + c["negative"] + c["near_zero"] == 63
+            if name == "full":
+                assert c["decomposition_error"] < 1e-6  # J = J_A + J_Phi, up to float32 rounding
+
+
+def test_fields_refuse_a_patched_model_and_bad_input():
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    with pytest.raises(ValueError, match="unpatched model"):
+        geometry.LayerFields(model, 0)
+    with pytest.raises(ValueError, match=r"out of range; accepted: 0..2"):
+        geometry.LayerFields(make_tiny("llama"), 3)
+    with pytest.raises(ValueError, match="unknown field 'mlp'; accepted: attention, ffn, full"):
+        geometry.LayerFields(make_tiny("llama"), 0).field("mlp")
+
+
+def test_ffn_probe_against_finite_differences_and_silu():
+    model = make_tiny("llama")
+    probe = geometry.FfnProbe(model, 1)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)) * 7
+    measured = probe.measure(x, top_k=128)
+    mlp, norm = model.model.layers[1].mlp, model.model.layers[1].post_attention_layernorm
+    phi = lambda v: mlp(norm(v)).double()  # noqa: E731
+    for n in range(3):
+        r, u = x[n].norm().double(), geometry.unit(x[n].double())
+        basis = geometry.tangent_basis(u)
+        h = 1e-3
+        cols = [(phi((x[n] + h * b.float())[None]) - phi((x[n] - h * b.float())[None]))[0] / (2 * h) for b in basis.T]
+        fd = torch.stack(cols, 1)  # DPhi Q
+        s = torch.linalg.svdvals(basis.T @ fd * r)
+        assert measured["spectral_norm"][n].item() == pytest.approx(s[0].item(), rel=2e-3)
+        assert measured["radial_fraction"][n].item() == pytest.approx(((u @ fd).pow(2).sum() / fd.pow(2).sum()).item(), rel=1e-2, abs=1e-5)
+    z = mlp.gate_proj(norm(x))
+    sig = torch.sigmoid(z)
+    assert torch.allclose(measured["gain"], sig * (1 + z * (1 - sig)), atol=1e-5)  # silu'(z)
+    assert torch.allclose(measured["top_share"], torch.ones(3), atol=1e-4)  # all 128 units: shares sum to 1 (no bias)
+
+
+def test_gain_regimes_and_spearman():
+    regimes = geometry.gain_regimes(torch.tensor([0.0, 0.05, 1.0, 0.95, 0.5, -0.3]))
+    assert regimes == pytest.approx({"off": 2 / 6, "linear": 2 / 6, "transition": 2 / 6})
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 2, 3], [4, 3, 3, 1]) == pytest.approx(-1.0)  # ties: average ranks
+    assert spearman([1, 2], [2, 1]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_attention_pressure_zero_is_the_causal_mean_of_values_and_restores():
+    model = make_tiny("llama")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(5))
+    attention = model.model.layers[0].self_attn
+    seen = {}
+    handles = [attention.v_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("v", o)),
+               attention.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o_in", a[0]))]
+    before = attention.scaling
+    with torch.no_grad():
+        reference = model(ids).logits
+        with geometry.attention_pressure(model, 0.0):
+            model(ids)
+    for h in handles:
+        h.remove()
+    v = seen["v"].view(1, 9, 2, 16).repeat_interleave(2, dim=2)  # 2 kv heads -> 4 query heads
+    causal_mean = v.cumsum(1) / torch.arange(1, 10).view(1, 9, 1, 1)
+    assert torch.allclose(seen["o_in"], causal_mean.reshape(1, 9, 64), atol=1e-5)
+    assert attention.scaling == before
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference)
+    with pytest.raises(RuntimeError, match="boom"), geometry.attention_pressure(model, 0.5):
+        raise RuntimeError("boom")
+    assert attention.scaling == before
+    with pytest.raises(ValueError, match=r"factor=-1; accepted: a number >= 0"):
+        with geometry.attention_pressure(model, -1):
+            pass
+
+
+def test_pressure_refuses_attention_without_scaling():
+    model = make_tiny("llama")
+    del model.model.layers[1].self_attn.scaling
+    with pytest.raises(ValueError, match="layer 1's LlamaAttention has no numeric `scaling`"):
+        with geometry.attention_pressure(model, 0.5):
+            pass
+
+
+def test_pressure_diversity_rows():
+    model = make_tiny("gpt_neox_sequential")
+    windows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    rows = geometry.pressure_diversity(model, windows, [1.0, 0.0], ["full", "zero_ffn"])
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        if r["variant"] == "zero_ffn":
+            assert r["after_ffn"] == pytest.approx(r["after_attention"], abs=1e-6)
+    uniform = [r for r in rows if r["factor"] == 0.0 and r["layer"] == 0]
+    normal = [r for r in rows if r["factor"] == 1.0 and r["layer"] == 0]
+    assert uniform[0]["before_attention"] == pytest.approx(normal[0]["before_attention"])
+
+
+def test_geometry_commands(tiny_lm_folder, austen_dir, tmp_path, capsys):
+    common = ["--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"), "--seq-len", "32",
+              "--max-windows", "2"]
+    assert cli.main(["critical", *common, "--random-starts", "4", "--token-starts", "4", "--steps", "30",
+                     "--threshold", "0.5", "--output-dir", str(tmp_path / "c")]) == 0
+    report = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert [r["layer"] for r in report["layers"]] == [0, 1] and report["totals"]["full"]["starts"] == 16
+    assert (tmp_path / "c" / "critical_labels.png").is_file()
+    assert Report.load(tmp_path / "c" / "report.json").to_markdown() == (tmp_path / "c" / "report.md").read_text()
+    assert cli.main(["pressure", *common, "--factors", "1", "0.1", "--output-dir", str(tmp_path / "p")]) == 0
+    report = json.loads((tmp_path / "p" / "report.json").read_text())
+    assert len(report["summary"]) == 2 * 4 and (tmp_path / "p" / "pressure_curves.png").is_file()
+    assert cli.main(["ffn-jacobian", *common, "--tokens", "3", "--output-dir", str(tmp_path / "j")]) == 0
+    report = json.loads((tmp_path / "j" / "report.json").read_text())
+    assert report["layers"][1]["tokens"] == 3 and report["layers"][1]["c_l"] > 0
+    assert Report.load(tmp_path / "j" / "report.json").to_markdown() == (tmp_path / "j" / "report.md").read_text()
+    capsys.readouterr()
+    assert cli.main(["critical", *common, "--fields", "mlp", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "unknown fields ['mlp']; accepted: attention, ffn, full" in capsys.readouterr().err
+    assert cli.main(["ffn-jacobian", *common, "--ablation-report", str(tmp_path / "p" / "report.json"),
+                     "--output-dir", str(tmp_path / "y")]) == 2
+    assert "not an `ablate` report" in capsys.readouterr().err
