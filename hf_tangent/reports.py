@@ -408,14 +408,18 @@ def critical_markdown(report: dict) -> str:
              f"{report['random_starts']} random and {report['token_starts']} token starts ({report['windows']} windows "
              f"x {report['seq_len']} tokens of {report['text']}); a real part counts as zero below {report['rel_tol']} "
              f"x the spectral radius; {report['seconds']} s.", "",
-             "| field | starts | converged | distinct candidates | attractor | saddle | repeller | neutral |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| field | starts | converged | distinct candidates | attractor | saddle | repeller | neutral | "
+             "unstable directions (mean share of Re > 0) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for f in fields:
         t = report["totals"][f]
         n = t["candidates"]
         pct = lambda k, t=t, n=n: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
+        shares = [c["positive"] / (c["positive"] + c["negative"] + c["near_zero"])
+                  for r in report["layers"] for c in r["fields"][f]["candidates"]]
+        unstable = f"{statistics.fmean(shares):.3f}" if shares else "-"
         lines.append(f"| {f} | {t['starts']} | {t['converged']} | {n} | {pct('attractor')} | {pct('saddle')} | "
-                     f"{pct('repeller')} | {pct('neutral')} |")
+                     f"{pct('repeller')} | {pct('neutral')} | {unstable} |")
     lines += ["", "Per layer (distinct candidates: attractor / saddle / repeller / neutral; best zero score):", "",
               "| layer | " + " | ".join(fields) + " | s |", "|---:" + "|---" * len(fields) + "|---:|"]
     for r in report["layers"]:

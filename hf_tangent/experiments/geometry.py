@@ -49,7 +49,8 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
     (docs/geometry.md), from `random_starts` Gaussian and `token_starts` real token directions (block
     inputs on `max_windows` windows of held-out text), with their tangent-Jacobian labels. The
     `critical` report: per layer and field the starts, how many converged (zero score < threshold)
-    and the distinct candidates' labels; the full spectrum of each field's best candidate per layer.
+    and the distinct candidates' labels; 96 eigenvalues of each field's best candidate per layer
+    (spectrum_sample) for the scatter plot.
 
     Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
         steps: Adam steps per start; threshold: zero score ||P_u F|| / ||F|| accepted;
@@ -78,7 +79,7 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
                 row["fields"][field] = {
                     "starts": found["starts"], "converged": found["converged"], "counts": label_counts(candidates),
                     "candidates": [{k: v for k, v in c.items() if k != "eigenvalues"} for c in candidates],
-                    "best_eigenvalues": [[round(a, 5), round(b, 5)] for a, b in best["eigenvalues"]] if best else None}
+                    "best_eigenvalues": spectrum_sample(best["eigenvalues"]) if best else None}
             rows.append(row)
             if bar is not None:
                 bar.update(1)
@@ -91,6 +92,15 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
         "fields": list(fields), "random_starts": random_starts, "token_starts": token_starts, "steps": steps,
         "threshold": threshold, "rel_tol": rel_tol, "composition": "additive: F = F_A + F_Phi (docs/geometry.md)",
         "layers": rows, "totals": totals, "seconds": clock.seconds, **env})
+
+
+def spectrum_sample(eigenvalues: list[list[float]], n: int = 96) -> list[list[float]]:
+    """At most n eigenvalues [re, im] for the scatter plot, evenly spaced in the order of the real
+    part (the extremes included), so that the kept report stays small."""
+    ordered = sorted(eigenvalues, key=lambda z: (z[0], z[1]))
+    if len(ordered) > n:
+        ordered = [ordered[round(k * (len(ordered) - 1) / (n - 1))] for k in range(n)]
+    return [[round(a, 5), round(b, 5)] for a, b in ordered]
 
 
 def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
