@@ -137,6 +137,32 @@ def test_ffn_probe_against_finite_differences_and_silu():
     assert torch.allclose(measured["top_share"], torch.ones(3), atol=1e-4)  # all 128 units: shares sum to 1 (no bias)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox_parallel", "llama", "mistral"])
+def test_keys_values_view_is_exact_on_every_architecture(arch):
+    # sum_j a_j v_j + b = y, so the units' shares of P_u y plus the bias's share make exactly 1
+    # (GPT-2's Conv1D stores the value matrix transposed; GPT-2 and GPT-NeoX have a bias).
+    model = make_tiny(arch)
+    probe = geometry.FfnProbe(model, 2)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7)) * 3
+    width = geometry.value_matrix(probe.down).shape[1]
+    measured = probe.measure(x, top_k=width)
+    with torch.no_grad():
+        y = probe.mlp(probe.norm(x))
+    tangent_y = geometry.project(y, geometry.unit(x))
+    bias = probe.down.bias if probe.down.bias is not None else torch.zeros(64)
+    bias_share = (tangent_y @ bias) / tangent_y.pow(2).sum(-1)
+    assert torch.allclose(measured["top_share"] + bias_share, torch.ones(4), atol=1e-4)
+    assert measured["gain"].shape == (4, width) and (measured["spectral_norm"] > 0).all()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox_parallel", "llama", "mistral"])
+def test_pressure_changes_every_architecture(arch):
+    model = make_tiny(arch)
+    windows = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(8))
+    rows = geometry.pressure_diversity(model, windows, [1.0, 0.0], ["full"])  # raises if the knob had no effect
+    assert {r["factor"] for r in rows} == {1.0, 0.0} and len(rows) == 6
+
+
 def test_gain_regimes_and_spearman():
     regimes = geometry.gain_regimes(torch.tensor([0.0, 0.05, 1.0, 0.95, 0.5, -0.3]))
     assert regimes == pytest.approx({"off": 2 / 6, "linear": 2 / 6, "transition": 2 / 6})
