@@ -105,6 +105,17 @@ def test_critical_directions_on_every_architecture(arch):
                 assert c["decomposition_error"] < 1e-6  # J = J_A + J_Phi, up to float32 rounding
 
 
+def test_candidate_search_is_seeded():
+    model = make_tiny("llama")
+    tokens = geometry.unit(torch.randn(4, 64, generator=torch.Generator().manual_seed(9)))
+    run = lambda seed: geometry.critical_directions(model, 0, tokens, random_starts=6, steps=60, threshold=0.3,  # noqa: E731
+                                                    fields=("ffn",), seed=seed)["fields"]["ffn"]
+    first, again, other = run(0), run(0), run(1)
+    assert first["converged"] > 0 and torch.equal(first["directions"], again["directions"])
+    assert [c["score"] for c in first["candidates"]] == [c["score"] for c in again["candidates"]]
+    assert not torch.equal(first["directions"], other["directions"])
+
+
 def test_fields_refuse_a_patched_model_and_bad_input():
     model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
     with pytest.raises(ValueError, match="unpatched model"):
