@@ -263,13 +263,14 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
         cli.main(["heal", "--model", str(tiny_lm_folder), "--update", "nope"])
 
 
-@pytest.mark.parametrize("recipe", ["heal_default", "heal_full", "heal_parallel"])
+@pytest.mark.parametrize("recipe", ["heal_default", "heal_full", "heal_parallel", "heal_long"])
 def test_heal_recipes_parse(recipe):
     from hf_tangent import cli
 
     args = cli.parse_args(["heal", "--recipe", recipe])
     model, text, calibration, options, training = cli_dataclasses(args)
-    assert options.update in ("projected", "add") and training.max_steps == 60 and model.model == "smollm2-135m"
+    steps = 120 if recipe == "heal_long" else 60
+    assert options.update in ("projected", "add") and training.max_steps == steps and model.model == "smollm2-135m"
     if recipe == "heal_parallel":
         assert options.parallel_layers == [6, 7, 8, 9, 20, 21, 22, 23]
 
