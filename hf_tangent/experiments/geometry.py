@@ -110,7 +110,12 @@ def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0
     """Spherical diversity D before attention, after attention and after the FFN, per layer, as the
     attention logit scale is multiplied by each `factor` (1: the model; 0: uniform averaging, the
     most aggregation pressure), for every FFN variant (full, tangential-only, radial-only, zero).
-    The `pressure` report."""
+    The `pressure` report.
+
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
+        factors: attention logit-scale factors (>= 0); variants: FFN variants in all layers;
+        layers: the layers whose diversity is recorded (None = all).
+    """
     bad = [v for v in variants if v not in ABLATIONS or v == "attention_zero"]
     if bad or not variants:
         raise ValueError(f"FFN variants {bad or variants}; accepted: {', '.join(PRESSURE_VARIANTS)}.")
@@ -151,7 +156,12 @@ def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None =
     activation's derivative at the pre-activations (off / linear / transition), the top-k hidden
     units' share of the tangential update (keys/values view); next to C_l on the same windows and,
     with `ablation_report` (an `ablate --layerwise` report.json), the per-layer ablation costs, with
-    Spearman correlations. The `ffn-jacobian` report."""
+    Spearman correlations. The `ffn-jacobian` report.
+
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
+        layers: which (None = all); tokens: sampled FFN inputs per layer; top_k: hidden units counted
+        in the keys/values view; ablation_report: path of an `ablate --layerwise` report.json.
+    """
     if tokens < 1 or top_k < 1:
         raise ValueError(f"tokens={tokens}, top_k={top_k}: both must be >= 1.")
     costs = _ablation_costs(ablation_report) if ablation_report else {}
