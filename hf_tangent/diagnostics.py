@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .registry import architecture
+from .registry import architecture, first_output
 
 EPS = 1e-6
 # name -> description; the order is the order of the records and plots
@@ -147,10 +147,6 @@ class DiagnosticsRecorder:
         return out
 
 
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
 @contextmanager
 def record(model, layers: list[int] | None = None):
     """Context manager: `with record(model) as rec: model(ids)`, then `rec.records()`.
@@ -175,21 +171,21 @@ def record(model, layers: list[int] | None = None):
                 seen["h"] = args[0] if args else kwargs["hidden_states"]
 
             def on_attention(module, args, output, seen=seen):
-                seen["attn"] = _first(output)
+                seen["attn"] = first_output(output)
 
             def on_ffn_input(module, args, seen=seen):
                 seen["x"] = args[0]
 
             def on_raw_ffn(module, args, output, seen=seen):
-                seen["y"] = _first(output)
+                seen["y"] = first_output(output)
 
             def on_added_ffn(module, args, output, seen=seen):
-                seen["delta"] = _first(output)
+                seen["delta"] = first_output(output)
 
             def on_block_output(module, args, output, seen=seen, i=i):
                 with torch.no_grad():
                     recorder.update(i, layer_quantities(seen["h"], seen["attn"], seen["x"], seen["y"],
-                                                        seen["delta"], _first(output)))
+                                                        seen["delta"], first_output(output)))
                 seen.clear()
 
             ffn_out = spec.submodule(layer, "ffn_out")

@@ -22,14 +22,10 @@ from .config import TangentConfig
 from .diagnostics import RunningStat
 from .evaluation import forward_windows, perplexity
 from .patching import get_config, patch, tangent_layers, unpatch
-from .registry import architecture
+from .registry import architecture, first_output
 
 SCHEDULES = ("low_c", "high_c", "random")
 EPS = 1e-6
-
-
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
 
 
 @torch.no_grad()
@@ -56,7 +52,7 @@ def sensitivity(model, windows: torch.Tensor, *, batch_size: int = 1, progress=N
 
         def on_ffn(module, args, output, seen=seen):
             if not state["busy"]:
-                seen["y"] = _first(output)
+                seen["y"] = first_output(output)
 
         def on_output(module, args, output, seen=seen, i=i, phi=phi):
             state["busy"] = True  # the extra FFN evaluation must not re-trigger these hooks

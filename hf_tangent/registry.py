@@ -92,7 +92,7 @@ class ArchitectureSpec:
 
         def phi(x):
             out = mlp(ffn_norm(x))
-            return out if ffn_out is mlp else _first(ffn_out(out))
+            return out if ffn_out is mlp else first_output(ffn_out(out))
 
         return phi
 
@@ -110,7 +110,8 @@ class ArchitectureSpec:
         return float(value)
 
 
-def _first(output):
+def first_output(output):
+    """A module's output tensor (the first element when it returns a tuple)."""
     return output[0] if isinstance(output, tuple) else output
 
 

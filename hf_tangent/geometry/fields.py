@@ -7,14 +7,10 @@ import torch
 from torch import nn
 
 from ..patching import get_config
-from ..registry import architecture
+from ..registry import architecture, first_output
 from .sphere import LABELS, analyse_critical, find_critical, unit
 
 FIELDS = ("attention", "ffn", "full")
-
-
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
 
 
 class LayerFields:
@@ -62,7 +58,7 @@ class LayerFields:
         seen = {}
 
         def grab(module, args, output):
-            seen["a"] = _first(output)
+            seen["a"] = first_output(output)
 
         handle = self.attention_out.register_forward_hook(grab)
         try:
