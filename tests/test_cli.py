@@ -101,3 +101,20 @@ def test_eval_of_a_saved_patched_folder_reports_its_patch(tiny_folder, austen_di
 
     assert rows["unpatched"]["nll"] == pytest.approx(perplexity(unpatched, windows)["nll"], rel=1e-6)
     assert rows["saved patch (as loaded)"]["nll"] != rows["unpatched"]["nll"]
+
+
+def _command_names():
+    return [None, *cli.build_parser()[1]]  # None: `hf-tangent --help` itself
+
+
+@pytest.mark.parametrize("command", _command_names())
+def test_every_command_help_exits_0(command, capsys):
+    """Walks the dispatcher's own command list, so a new command is covered without editing this test."""
+    argv = ["--help"] if command is None else [command, "--help"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.startswith(f"usage: hf-tangent{'' if command is None else ' ' + command}")
+    if command == "ablate":  # the help text that crashed argparse's %-formatting
+        assert "for the 95% intervals" in " ".join(out.split())

@@ -63,7 +63,7 @@ class EvalTextArguments:
 class CalibrationTextArguments:
     calibration_files: list[str] | None = field(default=None, metadata={
         "help": "calibration / training text files (default: the Austen calibration novels; with --text-files "
-                "only, the first 80%% of its documents)"})
+                "only, the first 80% of its documents)"})
     train_windows: int = field(default=64, metadata={"help": "calibration / training windows of --seq-len tokens"})
 
 
@@ -229,6 +229,9 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
     """A subcommand whose options are the fields of `dataclass_types` (plus --recipe)."""
     sub = subparsers.add_parser(name, dataclass_types=dataclass_types, help=help, description=help,
                                 allow_abbrev=False)  # --seed must not silently mean --seeds
+    for action in sub._actions:  # argparse reads help as a %-format: ours is plain text ("95%"), the
+        if action.help and action.help is not argparse.SUPPRESS:  # Trainer's is escaped already ("20%%")
+            action.help = action.help.replace("%%", "%").replace("%", "%%")
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=func, parser=sub)
