@@ -5,6 +5,7 @@ The same aggregate is shipped as an `evaluate` module: `evaluate.load(PERPLEXITY
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -12,6 +13,19 @@ import torch
 import torch.nn.functional as F
 
 PERPLEXITY_METRIC = os.path.join(os.path.dirname(__file__), "metrics", "tangent_perplexity")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode inside the block (dropout off); on exit every module's own training
+    flag is back as it was, also after an exception."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 def forward_windows(model, windows: torch.Tensor, *, batch_size: int = 1, progress=None):

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .evaluation import eval_mode
 from .patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy, tangent_layers
 from .training import _transformers_callback
 from .wrappers import peft_model_of
@@ -32,11 +33,12 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 @contextlib.contextmanager
 def teacher_of(model):
-    """The unpatched model inside the block: the patch off and, for a PEFT model (also inside a DDP /
-    FSDP / DeepSpeed wrapper, as the Trainer hands it to compute_loss), the adapters off."""
+    """The unpatched model inside the block: the patch off, dropout off (eval mode; the training
+    flags come back on exit) and, for a PEFT model (also inside a DDP / FSDP / DeepSpeed wrapper, as
+    the Trainer hands it to compute_loss), the adapters off."""
     peft = peft_model_of(model)
     adapters = peft.disable_adapter() if peft is not None else contextlib.nullcontext()
-    with disabled(model), adapters, torch.no_grad():
+    with disabled(model), adapters, eval_mode(model), torch.no_grad():
         yield model
 
 
@@ -98,11 +100,17 @@ def heal_trainer_class():
 
     class HealTrainer(Trainer):
         def __init__(self, *args, temperature: float = 1.0, lm_weight: float = 0.0, teacher=None, **kwargs):
-            super().__init__(*args, **kwargs)
             if not temperature > 0:
                 raise ValueError(f"temperature={temperature!r}; accepted: a number > 0.")
             if not 0.0 <= lm_weight <= 1.0:
                 raise ValueError(f"lm_weight={lm_weight!r}; accepted: a number in [0, 1].")
+            super().__init__(*args, **kwargs)
+            # Our loss is a mean over the micro-batch's tokens, not a sum over num_items_in_batch: the
+            # Trainer must divide it by the accumulation steps (it skips that for models that accept
+            # loss kwargs, which would double the loss and the gradients at accumulation 2).
+            self.model_accepts_loss_kwargs = False
+            if teacher is not None:  # a frozen copy (full fine-tuning): on the student's device, dropout off
+                teacher.to(self.args.device).eval().requires_grad_(False)
             self.temperature, self.lm_weight, self.teacher = temperature, lm_weight, teacher
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -126,19 +134,17 @@ def heal_trainer_class():
 @torch.no_grad()
 def held_out_kl(model, windows: torch.Tensor, *, teacher=None, batch_size: int = 4) -> float:
     """Mean KL(teacher || model) per token on `windows` (T = 1); teacher: the model unpatched."""
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for i in range(0, len(windows), batch_size):
-        batch = windows[i:i + batch_size].to(device)
-        student = model(input_ids=batch).logits
-        if teacher is not None:
-            reference = teacher(input_ids=batch).logits
-        else:
-            with teacher_of(model) as t:
-                reference = t(input_ids=batch).logits
-        total += distillation_loss(student, reference).item() * batch.numel()
-        count += batch.numel()
-    model.train(was_training)
+    with eval_mode(model):
+        for i in range(0, len(windows), batch_size):
+            batch = windows[i:i + batch_size].to(device)
+            student = model(input_ids=batch).logits
+            if teacher is not None:
+                reference = teacher(input_ids=batch).logits
+            else:
+                with teacher_of(model) as t:
+                    reference = t(input_ids=batch).logits
+            total += distillation_loss(student, reference).item() * batch.numel()
+            count += batch.numel()
     return total / count

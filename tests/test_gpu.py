@@ -133,3 +133,20 @@ def test_calibrate_at_smoke_size(tiny_lm_folder, austen_dir, tmp_path):
     report = ht.calibrate_gates(str(tiny_lm_folder), text=text, seq_len=32, max_windows=2, train_windows=4,
                                 training_args=args, progress=False)
     assert report["device"] == "cuda" and all(abs(g - 1.0) > 1e-4 for g in report["gates"].values())
+
+
+def test_heal_full_method_runs_teacher_and_student_on_the_gpu(tmp_path):
+    """--method full: the frozen teacher copy is created on the CPU and must follow the student."""
+    import copy
+
+    from hf_tangent.heal import heal_trainer_class
+    from hf_tangent.training import lm_dataset, train, training_arguments
+
+    base = make_tiny("llama")
+    teacher = copy.deepcopy(base)
+    model = ht.patch(base, ht.TangentConfig(update="projected"))
+    args = training_arguments(str(tmp_path), max_steps=2, learning_rate=1e-4, batch_size=2, device="cuda")
+    trainer = train(model, lm_dataset(torch.randint(0, 128, (8, 16))), args, trainer_class=heal_trainer_class(),
+                    teacher=teacher)
+    assert next(teacher.parameters()).device.type == "cuda" == next(model.parameters()).device.type
+    assert trainer.state.global_step == 2

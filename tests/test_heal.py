@@ -279,3 +279,59 @@ def cli_dataclasses(args):
     from hf_tangent.commands.arguments import dataclasses_of
 
     return dataclasses_of(args.parser, args)
+
+
+def _first_step(tmp_path, *, batch, accumulation, lm_weight=0.0):
+    """(logged loss, grad norm) of the first optimizer step of a heal run on fixed data."""
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    data = lm_dataset(torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0)))
+    args = training_arguments(str(tmp_path), max_steps=1, learning_rate=1e-3, batch_size=batch, grad_accum=accumulation,
+                              seed=0, max_grad_norm=1e9)
+    trainer = train(model, data, args, trainer_class=heal_trainer_class(), lm_weight=lm_weight)
+    row = next(r for r in trainer.state.log_history if "loss" in r)
+    return row["loss"], row["grad_norm"]
+
+
+@pytest.mark.parametrize("lm_weight", [0.0, 0.5])
+def test_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(tmp_path, lm_weight):
+    """Defect: compute_loss ignored num_items_in_batch, so the Trainer skipped its division by the
+    accumulation steps (Llama accepts loss kwargs): accumulation 2 logged twice the loss."""
+    loss_1, norm_1 = _first_step(tmp_path / "a", batch=4, accumulation=1, lm_weight=lm_weight)
+    loss_2, norm_2 = _first_step(tmp_path / "b", batch=2, accumulation=2, lm_weight=lm_weight)
+    assert loss_1 > 0 and loss_2 == pytest.approx(loss_1, rel=1e-4)
+    assert norm_2 == pytest.approx(norm_1, rel=1e-4)
+
+
+def test_the_teacher_runs_without_dropout_and_the_training_flags_come_back(ids):
+    model = make_tiny("llama", attention_dropout=0.5)
+    reference = logits(model, ids)  # eval mode: dropout off
+    ht.patch(model, ht.TangentConfig(update="projected")).train()
+    model.model.layers[0].eval()  # one module's own flag, which must come back as it was
+    with teacher_of(model) as teacher:
+        assert torch.equal(teacher(ids).logits, reference)
+        assert torch.equal(teacher(ids).logits, reference)
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert held_out_kl(model, ids) < 1e9 and model.training and not model.model.layers[0].training
+
+
+def test_a_frozen_teacher_is_moved_to_the_training_device(tmp_path):
+    """--method full: the teacher copy follows the student to args.device (on a GPU it stayed on the
+    CPU). Without a GPU the move is observed on the copy; tests/test_gpu.py runs it on CUDA."""
+    moves = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_tiny("llama")
+
+        def to(self, *args, **kwargs):
+            moves.append(args[0] if args else kwargs.get("device"))
+            return super().to(*args, **kwargs)
+
+    teacher = Spy().train()
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    args = training_arguments(str(tmp_path), max_steps=1, learning_rate=1e-3, batch_size=2)
+    trainer = heal_trainer_class()(model=model, args=args, train_dataset=lm_dataset(torch.zeros(4, 8, dtype=torch.long)),
+                                   teacher=teacher)
+    assert moves == [trainer.args.device] and not teacher.training
+    assert not any(p.requires_grad for p in teacher.parameters())
