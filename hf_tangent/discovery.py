@@ -24,7 +24,7 @@ import re
 import torch
 from torch import nn
 
-from .registry import ArchitectureSpec, get_registered, remember_discovered
+from .registry import ArchitectureSpec, base_model_type, get_registered, remember_discovered
 
 _VERIFIED: dict = {}  # (model class, spec, config) -> Verification
 _PROBE_TOKENS = 8
@@ -261,7 +261,7 @@ def require_verified(model, spec: ArchitectureSpec, layers: nn.ModuleList, *, ne
     if failed:
         i = failed[0]
         raise ValueError(
-            f"hf_tangent: model_type '{model.config.model_type}' ({type(layers[i]).__name__}, {spec.source} spec) "
+            f"hf_tangent: model_type '{base_model_type(model.config)}' ({type(layers[i]).__name__}, {spec.source} spec) "
             f"did not verify: in layer {i}, {verification.detail[i]}. hf_tangent patches decoder layers whose "
             "output is the residual plus the FFN update (pre-norm, sandwich-norm, parallel or residual-scaled "
             "blocks; not post-LN blocks, blocks without an FFN, or extra streams). If the layer does compute "
@@ -272,7 +272,7 @@ def require_verified(model, spec: ArchitectureSpec, layers: nn.ModuleList, *, ne
     unverified = [i for i in needs_attention if not verification.attention[i]]
     if unverified:
         raise ValueError(
-            f"hf_tangent: in layers {unverified} of this '{model.config.model_type}' model the attention branch "
+            f"hf_tangent: in layers {unverified} of this '{base_model_type(model.config)}' model the attention branch "
             "could not be verified (h + attention_out(...) is not the residual the FFN sees), so parallel "
             "conversion and the attention branch are refused there."
         )
@@ -404,7 +404,7 @@ def _why_not(rec, out, single, order, ins, outs, value) -> str:
 
 def discover(model) -> ArchitectureSpec:
     """Infer the spec of an unregistered `model_type` from the module tree and one probe forward."""
-    model_type = model.config.model_type
+    model_type = base_model_type(model.config)
     layers_path, layers = _layer_list(model)
     by_class: dict[type, dict] = {}  # layer class -> its roles (hybrids have several classes)
     with _probing(model):
@@ -452,7 +452,7 @@ def describe(model) -> str:
     spec = resolve_spec(model)
     layers = spec.decoder_layers(model)
     v = verify(model, spec, layers)
-    lines = [f"{type(model).__name__} (model_type '{model.config.model_type}'): {spec.source} spec",
+    lines = [f"{type(model).__name__} (model_type '{base_model_type(model.config)}'): {spec.source} spec",
              f"  layers: {spec.layers} ({len(layers)})"]
     for name in ("input_norm", "attention", "attention_out", "ffn_norm", "mlp", "ffn_out", "residual_scale",
                  "parallel_attr", "parallel"):

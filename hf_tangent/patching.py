@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
+import os
 import warnings
 
 import torch
@@ -30,8 +32,8 @@ from torch import nn
 from .config import TangentConfig
 from .discovery import require_verified, resolve_spec
 from .layer import TangentLayer
-from .registry import ArchitectureSpec
-from .wrappers import ddp_wrapper_of, sharding_engine, unwrap
+from .registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, ArchitectureSpec, base_model_type
+from .wrappers import ddp_wrapper_of, model_class, sharding_engine, unwrap
 
 CHILD_NAME = "tangent_patch"
 CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
@@ -146,6 +148,8 @@ def _remove(model, state: _PatchState) -> None:
     vars(model).pop(_MODEL_ATTR, None)
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
+    if getattr(type(model.config), _SAVES_PATCHED, False):
+        model.config.__class__ = type(model.config).__mro__[1]
 
 
 def _apply(model, state: _PatchState) -> None:
@@ -156,6 +160,50 @@ def _apply(model, state: _PatchState) -> None:
         vars(model)[_MODEL_ATTR] = state.config
     if state.record is not None:
         setattr(model.config, CONFIG_KEY, state.record)
+        if not hasattr(type(model.config), BASE_TYPE_ATTR):  # a saved folder's own config class saves right already
+            model.config.__class__ = _saving_config_class(type(model.config))
+
+
+# ----------------------------------------------------------------------------- what a save writes
+_SAVES_PATCHED = "_hf_tangent_saves_patched"
+_SAVING_CLASSES: dict[type, type] = {}  # config class -> its subclass below (immutable once made)
+
+
+def _saving_config_class(base: type) -> type:
+    """The class of a patched model's (private) config: the model's own config class, except that
+    `save_pretrained` writes the patched folder format (hub.write_patched_format: a model_type and
+    architecture of its own, remote code), so that `model.save_pretrained`, `push_to_hub` and Trainer
+    checkpoints of a patched model never write a folder that loads as its unpatched base. Same name
+    as the base class (transformers' auto classes look configs up by name); `to_dict` is unchanged,
+    so PEFT and generation read the base model_type. Unpatching restores the base class."""
+    cls = _SAVING_CLASSES.get(base)
+    if cls is None:
+        cls = _SAVING_CLASSES[base] = type(base.__name__, (base,), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__, _SAVES_PATCHED: True,
+            "save_pretrained": _save_patched_config, "__reduce_ex__": _reduce_saving_config})
+    return cls
+
+
+def _save_patched_config(self, save_directory, push_to_hub: bool = False, **kwargs):
+    # hub.py builds on this module; imported by name because the remote code (which never gets here:
+    # its config class saves right already) ships no hub.py, and transformers wants a file for every
+    # relative import statement it finds
+    write_patched_format = importlib.import_module(".hub", __package__).write_patched_format
+
+    if push_to_hub:  # push_to_hub saves into a folder of its own, through this method, then uploads
+        return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory))), **kwargs)
+    type(self).__mro__[1].save_pretrained(self, save_directory, **kwargs)
+    write_patched_format(save_directory, self)
+
+
+def _reduce_saving_config(self, protocol):
+    return _rebuild_saving_config, (type(self).__mro__[1], dict(vars(self)))
+
+
+def _rebuild_saving_config(base: type, state: dict):
+    config = object.__new__(_saving_config_class(base))
+    vars(config).update(state)
+    return config
 
 
 def _own_config(model) -> list[tuple[nn.Module, str, object]]:
@@ -210,8 +258,9 @@ def patch(model, config: TangentConfig):
         child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)
         child.prepare(spec, layers[i], exact_in_training=verification is None or verification.ffn_in_training[i])
         children.append((layers[i], child))
-    record = {"config": config.to_dict(), "model_type": model.config.model_type, "num_layers": num_layers,
-              "patched_layers": sorted(updated), "parallel_layers": sorted(parallel), "architecture": spec.to_dict()}
+    record = {"config": config.to_dict(), "model_type": base_model_type(model.config), "num_layers": num_layers,
+              "patched_layers": sorted(updated), "parallel_layers": sorted(parallel), "architecture": spec.to_dict(),
+              "base_architecture": model_class(model).__name__.removeprefix(PATCHED_CLASS_PREFIX)}
     _commit(model, _PatchState(children, config, record))
     return model
 

@@ -134,6 +134,20 @@ def _get(root: nn.Module, path: str):
     return obj
 
 
+# A saved patched folder names a model_type and architecture of its own ("hf_tangent_llama",
+# "HfTangentLlamaForCausalLM"), so that loaders without hf_tangent's remote code refuse it instead of
+# loading the unpatched base; its config class (remote code) names the base type in BASE_TYPE_ATTR.
+PATCHED_TYPE_PREFIX = "hf_tangent_"
+PATCHED_CLASS_PREFIX = "HfTangent"
+BASE_TYPE_ATTR = "hf_tangent_base_model_type"
+
+
+def base_model_type(config) -> str:
+    """The model_type of the architecture under a patch: `config.model_type`, except for the config
+    class of a saved patched folder (remote code), which reports its own type."""
+    return getattr(type(config), BASE_TYPE_ATTR, None) or config.model_type
+
+
 _REGISTRY: dict[str, ArchitectureSpec] = {}
 _DISCOVERED: dict[type, ArchitectureSpec] = {}  # model class -> spec found by discovery.py
 _RECORD_KEY = "hf_tangent"  # the patch record in model.config (patching.CONFIG_KEY)
@@ -167,7 +181,7 @@ def get_spec(model_type: str) -> ArchitectureSpec:
 def get_registered(model) -> ArchitectureSpec | None:
     """The spec of a model without running anything: its registry entry, the spec discovered for its
     class, or the one saved in its patch record; None when it has to be discovered."""
-    model_type = model.config.model_type
+    model_type = base_model_type(model.config)
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
     spec = _DISCOVERED.get(type(model))

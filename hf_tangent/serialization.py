@@ -22,7 +22,7 @@ import torch
 
 from .config import TangentConfig
 from .patching import CHILD_NAME, CONFIG_KEY, _is_lambda, patch, set_homotopy, tangent_layers
-from .registry import ArchitectureSpec, architecture
+from .registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, architecture, base_model_type
 from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
@@ -75,8 +75,8 @@ def _check_record(record, where: str) -> dict:
     return record
 
 
-def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
-    """The checked "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
+def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict]:
+    """(config.json's path, its contents, its checked "hf_tangent" record) of a saved folder or hub repo."""
     config_file = _file(path, "config.json", **hub_kwargs)
     try:
         with open(config_file, encoding="utf-8") as f:
@@ -89,7 +89,31 @@ def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
             f"hf_tangent.from_pretrained: {path!s} holds no hf_tangent patch (config.json has no "
             f"'{CONFIG_KEY}' entry); load it with transformers' AutoModelForCausalLM.from_pretrained."
         )
-    return _check_record(record, config_file)
+    record = _check_record(record, config_file)
+    if data.get("model_type") not in (record["model_type"], PATCHED_TYPE_PREFIX + record["model_type"]):
+        _fail(config_file, f"model_type {data.get('model_type')!r} is neither the patch's base model_type "
+                           f"{record['model_type']!r} nor its patched form {PATCHED_TYPE_PREFIX + record['model_type']!r}.")
+    return config_file, data, record
+
+
+def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
+    """The checked "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
+    return _read_config(path, **hub_kwargs)[2]
+
+
+def _base_config(data: dict, record: dict, where: str):
+    """The base model's transformers config from a patched-format config.json (its own model_type
+    and remote-code classes replaced by the base's), so the base class loads without remote code."""
+    from transformers import CONFIG_MAPPING
+
+    base_type = record["model_type"]
+    if base_type not in CONFIG_MAPPING:
+        _fail(where, f"the patch's base model_type {base_type!r} is not known to this transformers version; upgrade "
+                     "transformers, or load the folder with trust_remote_code=True.")
+    fields = {k: v for k, v in data.items() if k != "auto_map"}
+    fields["model_type"] = base_type
+    fields["architectures"] = [record["base_architecture"]] if isinstance(record.get("base_architecture"), str) else None
+    return CONFIG_MAPPING[base_type].from_dict(fields)
 
 
 def _weight_files(path, **hub_kwargs) -> list[str]:
@@ -143,9 +167,9 @@ def _quiet_transformers_loading():
 def _check_against_model(record: dict, config: TangentConfig, gates: dict, model, info: dict, where: str) -> None:
     """Record <-> model <-> weights, both ways; raises one ValueError naming every mismatch."""
     problems = []
-    if model.config.model_type != record["model_type"]:
+    if base_model_type(model.config) != record["model_type"]:
         problems.append(f"it was saved from model_type '{record['model_type']}', the folder holds "
-                        f"'{model.config.model_type}'")
+                        f"'{base_model_type(model.config)}'")
     spec, layers = architecture(model)
     if len(layers) != record["num_layers"]:
         problems.append(f"it was saved for {record['num_layers']} layers, the model has {len(layers)}")
@@ -185,7 +209,7 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
     config.json, the saved weights and the model raises a ValueError naming the file and field.
     """
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
-    record = read_patch_record(path, **hub_kwargs)
+    _, data, record = _read_config(path, **hub_kwargs)
     where = f"{Path(str(path)) / 'config.json'}"
     try:
         config = TangentConfig.from_dict(record["config"])
@@ -194,6 +218,11 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
     gates = _saved_gates(path, **hub_kwargs)
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
+    if data["model_type"] != record["model_type"]:  # the patched format: load the base class, then patch it
+        if "config" in kwargs:
+            raise ValueError("hf_tangent.from_pretrained: config= is not accepted for a patched folder; its config "
+                             "is the folder's own (pass config fields such as attn_implementation as keywords).")
+        kwargs = {**kwargs, "config": _base_config(data, record, where)}
     try:
         with _quiet_transformers_loading():
             model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -224,9 +253,8 @@ def save_pretrained(model, folder: str | os.PathLike, **kwargs) -> Path | None:
     base.save_pretrained(folder, state_dict=state, **kwargs)
     config_file = folder / "config.json"
     data = json.loads(config_file.read_text(encoding="utf-8"))
-    real = model_class(model).__name__
-    if data.get("architectures") not in (None, [real]):
-        data["architectures"] = [real]  # FSDP2 subclasses the model class in place ("FSDPLlamaForCausalLM")
+    if (data.get("architectures") or [""])[0].startswith("FSDP"):  # FSDP2 subclasses the model class in place
+        data["architectures"] = [model_class(model).__name__]  # ("FSDPLlamaForCausalLM"; transformers 4.x keeps it)
         config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return folder
 

@@ -118,3 +118,36 @@ def tiny_lm_folder(tmp_path_factory) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+_REMOTE_CODE_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+folder, io = sys.argv[1], sys.argv[2]
+try:  # without the remote code a patched folder is refused, never loaded as its unpatched base
+    AutoModelForCausalLM.from_pretrained(folder)
+    raise SystemExit("a plain AutoModelForCausalLM.from_pretrained loaded the patched folder")
+except ValueError as err:
+    assert "trust_remote_code=True" in str(err), err
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+assert type(model).__name__.startswith("HfTangent"), type(model)
+with torch.no_grad():
+    torch.save(model(torch.load(io)).logits, io)
+assert not any(m.split(".")[0] == "hf_tangent" for m in sys.modules), "hf_tangent was imported"
+"""
+
+
+def logits_without_hf_tangent(folder, ids: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    """The logits of a saved patched folder loaded by plain transformers in a fresh process, in which
+    hf_tangent is never imported: with trust_remote_code=True (patched, by the folder's remote code);
+    the same load without it must be refused (checked there too)."""
+    import subprocess
+    import sys
+
+    io = tmp_path / "remote_code_io.pt"
+    torch.save(ids, io)
+    result = subprocess.run([sys.executable, "-c", _REMOTE_CODE_SCRIPT, str(folder), str(io)], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(io)

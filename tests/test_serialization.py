@@ -87,7 +87,7 @@ def test_mismatched_saved_patch_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not match its model: it was saved for 30 layers, the model has 3"):
         ht.from_pretrained(tmp_path)
     edit_record(tmp_path, num_layers=3, model_type="gpt2")
-    with pytest.raises(ValueError, match="saved from model_type 'gpt2', the folder holds 'llama'"):
+    with pytest.raises(ValueError, match="model_type 'hf_tangent_llama' is neither the patch's base model_type 'gpt2'"):
         ht.from_pretrained(tmp_path)
     edit_record(tmp_path, model_type="llama", config={"layers": [0, 7]})
     with pytest.raises(ValueError, match="layer index 7 is out of range for a model with 3 layers"):
@@ -123,13 +123,45 @@ def test_unknown_keys_from_a_newer_version_warn(tmp_path, ids):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
-def test_plain_transformers_loads_the_base_model(tmp_path, ids):
-    from transformers import AutoModelForCausalLM
+def test_a_patched_folder_never_loads_as_its_base(tmp_path, ids):
+    """model.save_pretrained of a patched model writes the patched format: plain transformers refuses
+    it without trust_remote_code (it used to return the unpatched LlamaForCausalLM, silently), loads
+    it patched with it, and ht.from_pretrained loads it patched."""
+    from conftest import logits_without_hf_tangent
 
-    save_patched("llama", tmp_path, ht.TangentConfig(update="projected"))
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "hf_tangent_llama" and config["architectures"] == ["HfTangentLlamaForCausalLM"]
+    assert config["auto_map"] == {"AutoConfig": "configuration_hf_tangent.HfTangentLlamaConfig",
+                                  "AutoModelForCausalLM": "modeling_hf_tangent.HfTangentLlamaForCausalLM"}
     with torch.no_grad():
-        assert torch.equal(plain(ids).logits, make_tiny("llama")(ids).logits)
+        expected, base = model(ids).logits, make_tiny("llama")(ids).logits
+    assert not torch.equal(expected, base)
+    assert torch.equal(logits_without_hf_tangent(tmp_path / "m", ids, tmp_path), expected)
+    reloaded = ht.from_pretrained(tmp_path / "m").eval()
+    assert reloaded.config.model_type == "llama" and ht.get_config(reloaded).update == "projected"
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+    with ht.disabled(model):  # unpatched, the model saves as what it is then: its base
+        model.save_pretrained(tmp_path / "base")
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["model_type"] == "llama"
+    assert model.config.model_type == "llama" and type(model.config).__name__ == "LlamaConfig"
+
+
+def test_a_folder_in_the_format_of_earlier_versions_still_loads(tmp_path, ids):
+    """Before 0.3 a patched folder kept the base model_type and architecture: ht.from_pretrained reads it."""
+    model = save_patched("llama", tmp_path, ht.TangentConfig(update="projected", gates=True))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    for key in ("auto_map",):
+        config.pop(key)
+    config["hf_tangent"].pop("base_architecture")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reloaded = ht.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    reloaded.save_pretrained(tmp_path / "resaved")  # re-saving writes the current format
+    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["model_type"] == "hf_tangent_llama"
 
 
 def test_sharded_save_reloads_gates(tmp_path, ids):

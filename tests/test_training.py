@@ -75,24 +75,13 @@ def test_calibration_keeps_model_weights_frozen_and_reloads_gates(calibrated, ti
 
 
 def test_remote_code_loads_without_hf_tangent_in_a_fresh_process(calibrated, tmp_path):
+    from conftest import logits_without_hf_tangent
+
     _, out = calibrated
     ids = torch.randint(0, 1000, (2, 16))
-    torch.save(ids, tmp_path / "ids.pt")
     with torch.no_grad():
         expected = ht.from_pretrained(out / "model").eval()(ids).logits
-    script = textwrap.dedent(f"""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(out / 'model')!r}, trust_remote_code=True).eval()
-        with torch.no_grad():
-            torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})
-        assert type(model).__name__ == "TangentForCausalLM", type(model)
-        assert not any(m.split(".")[0] == "hf_tangent" for m in sys.modules), "hf_tangent was imported"
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+    assert torch.equal(logits_without_hf_tangent(out / "model", ids, tmp_path), expected)
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(tiny_lm_folder, austen_dir, tmp_path):
@@ -253,7 +242,7 @@ def test_strided_perplexity_scores_each_token_once_with_its_context(tiny_lm_fold
         strided_perplexity(model, ids, seq_len, stride=9)
 
 
-def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch):
+def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch, tiny_lm_folder):
     import huggingface_hub
 
     calls = {}
@@ -272,11 +261,14 @@ def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch):
     model = ht.from_pretrained(out / "model")
     assert ht.push_to_hub(model, "user/tiny-gated", private=True) == "commit"
     assert calls["create"] == ("user/tiny-gated", {"private": True, "exist_ok": True})
-    assert {"config.json", "model.safetensors", "README.md", "modeling_hf_tangent.py", "patching.py"} <= set(calls["files"])
-    assert calls["config"]["auto_map"] == {"AutoModelForCausalLM": "modeling_hf_tangent.TangentForCausalLM"}
+    assert {"config.json", "model.safetensors", "README.md", "modeling_hf_tangent.py", "configuration_hf_tangent.py",
+            "patching.py"} <= set(calls["files"])
+    assert calls["config"]["auto_map"] == {"AutoConfig": "configuration_hf_tangent.HfTangentLlamaConfig",
+                                           "AutoModelForCausalLM": "modeling_hf_tangent.HfTangentLlamaForCausalLM"}
+    assert calls["config"]["model_type"] == "hf_tangent_llama"
     assert calls["config"]["hf_tangent"]["config"]["gates"] is True
     with pytest.raises(ValueError, match="expects a model patched"):
-        ht.push_to_hub(AutoModelForCausalLM.from_pretrained(out / "model"), "user/x")
+        ht.push_to_hub(AutoModelForCausalLM.from_pretrained(tiny_lm_folder), "user/x")
 
 
 def test_remote_code_ships_every_module_it_imports():
@@ -285,7 +277,9 @@ def test_remote_code_ships_every_module_it_imports():
     from hf_tangent import hub
 
     shipped = set(hub.REMOTE_CODE_MODULES)
-    texts = [(hub.PACKAGE_DIR / name).read_text() for name in shipped] + [hub._MODELING_TEMPLATE]
+    shipped |= {hub.REMOTE_CONFIG_FILE}  # generated next to the modeling file
+    texts = [(hub.PACKAGE_DIR / name).read_text() for name in hub.REMOTE_CODE_MODULES] + [hub._MODELING_TEMPLATE,
+                                                                                           hub._CONFIG_TEMPLATE]
     for text in texts:
         for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):
             assert f"{module}.py" in shipped, module
