@@ -30,6 +30,9 @@ import hf_tangent as ht
 
 VOCAB = 128
 SHARED_AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+# The real text the tests read: the five novels from ../shared when present, else the openings kept
+# under tests/data/austen (tests/data/README.md). Never apt, never the network.
+AUSTEN = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else Path(__file__).resolve().parent / "data" / "austen"
 
 
 def _llama_kwargs():
@@ -89,19 +92,15 @@ def layer_output(output):
 
 @pytest.fixture
 def austen_dir() -> Path:
-    """The five novels: ../shared/data/austen when present (tests), else hf_tangent's own copy."""
-    if SHARED_AUSTEN.is_dir():
-        return SHARED_AUSTEN
-    from hf_tangent.data import austen_dir
-
-    return austen_dir()
+    """The five novels (AUSTEN): whole from ../shared, or their openings kept under tests/data."""
+    return AUSTEN
 
 
 @pytest.fixture(autouse=True)
 def _isolated_austen_env(monkeypatch):
-    # Tests that read the default corpus use ../shared when it exists, without touching the cache.
-    if SHARED_AUSTEN.is_dir() and "HF_TANGENT_AUSTEN_DIR" not in os.environ:
-        monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(SHARED_AUSTEN))
+    # hf_tangent's default corpus (data.austen_dir) reads AUSTEN too: no apt, no cache, no network.
+    if "HF_TANGENT_AUSTEN_DIR" not in os.environ:
+        monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
 
 
 @pytest.fixture(scope="session")
@@ -151,3 +150,26 @@ def logits_without_hf_tangent(folder, ids: torch.Tensor, tmp_path: Path) -> torc
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(io)
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """The suite runs offline: a connection to anything but this machine fails the test that makes it
+    (loopback stays open for the gloo process groups of the multi-process tests)."""
+    import ipaddress
+    import socket
+
+    connect = socket.socket.connect
+
+    def guarded(sock, address):
+        host = address[0] if isinstance(address, tuple) else None
+        if host is not None and host != "localhost":
+            try:
+                local = ipaddress.ip_address(host.split("%")[0]).is_loopback
+            except ValueError:
+                local = False
+            if not local:
+                raise OSError(f"tests run offline: a connection to {address!r} was attempted")
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)

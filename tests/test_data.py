@@ -86,8 +86,10 @@ def test_windows_start_with_bos_where_the_tokenizer_adds_it(tokenizer):
     assert tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id  # SmolLM2: no BOS added
 
 
+@pytest.mark.network
 @pytest.mark.skipif(shutil.which("apt-get") is None, reason="needs Debian's apt-get")
 def test_austen_extracted_from_debian_matches_the_shared_copy(tmp_path, monkeypatch):
+    """`apt-get download` on every run: only with -m network (the default suite stays offline)."""
     monkeypatch.delenv("HF_TANGENT_AUSTEN_DIR", raising=False)
     monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
     folder = data.austen_dir()

@@ -28,11 +28,9 @@ def windows(smollm2, austen_dir_module):
 
 @pytest.fixture(scope="module")
 def austen_dir_module():
-    from conftest import SHARED_AUSTEN
+    from conftest import AUSTEN
 
-    from hf_tangent.data import austen_dir
-
-    return SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else austen_dir()
+    return AUSTEN
 
 
 def test_perplexity_matches_the_models_own_loss(smollm2, windows):

@@ -37,13 +37,10 @@ def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, **trainin
 
 @pytest.fixture(scope="module")
 def calibrated(tiny_lm_folder, tmp_path_factory):
-    from conftest import SHARED_AUSTEN
+    from conftest import AUSTEN
 
-    from hf_tangent.data import austen_dir
-
-    austen = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else austen_dir()
     out = tmp_path_factory.mktemp("calibrated")
-    return calibrate(tiny_lm_folder, out, austen, compare=["projected"]), out
+    return calibrate(tiny_lm_folder, out, AUSTEN, compare=["projected"]), out
 
 
 def test_gate_calibration_moves_gates_and_lowers_calibration_loss(calibrated):

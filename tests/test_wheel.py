@@ -75,4 +75,4 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
         load=f"__import__('transformers').AutoModelForCausalLM.from_pretrained({str(hub)!r}, trust_remote_code=True)",
         check=(f"assert torch.equal(out, torch.load({str(logits)!r})); "
                "import importlib.util; assert importlib.util.find_spec('hf_tangent') is None; "
-               "assert type(model).__name__ == 'TangentForCausalLM'")), cwd=work)
+               "assert type(model).__name__ == 'HfTangentLlamaForCausalLM'")), cwd=work)

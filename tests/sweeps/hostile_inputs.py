@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import SHARED_AUSTEN, VOCAB, make_tiny  # noqa: E402
+from conftest import AUSTEN, VOCAB, make_tiny  # noqa: E402
 
 import hf_tangent as ht  # noqa: E402
 from hf_tangent import cli  # noqa: E402
@@ -354,7 +354,7 @@ def reload_cases(tmp: Path):
 
 # ----------------------------------------------------------------------------- CLI
 def cli_cases(tmp: Path, model_folder: Path):
-    emma = str(SHARED_AUSTEN / "emma.txt")
+    emma = str(AUSTEN / "emma.txt")
     common = ["--model", str(model_folder), "--seq-len", "16", "--max-windows", "1", "--output-dir", str(tmp / "o")]
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "file").write_text("x")
@@ -428,7 +428,7 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
-    os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(SHARED_AUSTEN))
+    os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
