@@ -33,6 +33,9 @@ SHARED_AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "auste
 # The real text the tests read: the five novels from ../shared when present, else the openings kept
 # under tests/data/austen (tests/data/README.md). Never apt, never the network.
 AUSTEN = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else Path(__file__).resolve().parent / "data" / "austen"
+# hf_tangent's default corpus (data.austen_dir) reads AUSTEN too: set at import, before any fixture (a
+# module-scoped fixture runs before function-scoped autouse ones), so nothing reaches apt or a cache.
+os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
 
 
 def _llama_kwargs():
@@ -94,13 +97,6 @@ def layer_output(output):
 def austen_dir() -> Path:
     """The five novels (AUSTEN): whole from ../shared, or their openings kept under tests/data."""
     return AUSTEN
-
-
-@pytest.fixture(autouse=True)
-def _isolated_austen_env(monkeypatch):
-    # hf_tangent's default corpus (data.austen_dir) reads AUSTEN too: no apt, no cache, no network.
-    if "HF_TANGENT_AUSTEN_DIR" not in os.environ:
-        monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
 
 
 @pytest.fixture(scope="session")
