@@ -6,7 +6,8 @@
   crash         a raw traceback (an unexpected exception type), or a CLI exit other than 2
   half-patched  an error left the model changed
 
-Run: python tests/sweeps/hostile_inputs.py [--output docs/results/hostile_sweep.md]
+Run: python tests/sweeps/hostile_inputs.py [--output docs/results/hostile_sweep]  (exit 1 on any case that is
+not ok / clear). tests/test_hostile_sweep.py runs every group under pytest.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import math
 import sys
 import tempfile
 import threading
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -298,7 +298,8 @@ def reload_cases(tmp: Path):
         "num_layers a string": (lambda d: d["hf_tangent"].update(num_layers="3"), "'hf_tangent.num_layers' must be"),
         "num_layers 0": (lambda d: d["hf_tangent"].update(num_layers=0), "must be >= 1"),
         "num_layers wrong": (lambda d: d["hf_tangent"].update(num_layers=30), "saved for 30 layers"),
-        "model_type wrong": (lambda d: d["hf_tangent"].update(model_type="gpt2"), "saved from model_type 'gpt2'"),
+        "model_type wrong": (lambda d: d["hf_tangent"].update(model_type="gpt2"),
+                             "is neither the patch's base model_type 'gpt2'"),
         "patched_layers strings": (lambda d: d["hf_tangent"].update(patched_layers=["0"]), "must list layer indices"),
         "patched_layers wider than config.layers": (lambda d: d["hf_tangent"]["config"].update(layers=[0]), "disagrees"),
         "gates false, gates saved": (lambda d: d["hf_tangent"]["config"].update(gates=False), "config.gates is false"),
@@ -422,46 +423,79 @@ def cli_cases(tmp: Path, model_folder: Path):
             record("cli", case, "unclear", last)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", help="write the Markdown table here")
-    args = parser.parse_args()
-    import os
+def tiny_model_folder(tmp: Path) -> Path:
+    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
+    from hf_tangent.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=64)).save_pretrained(tmp / "tiny")
+    tokenizer.save_pretrained(tmp / "tiny")
+    return tmp / "tiny"
+
+
+# group -> its cases (a function of a scratch folder and the tiny model folder)
+GROUPS = {
+    "config": lambda tmp, folder: config_cases(),
+    "patch": lambda tmp, folder: patch_cases(),
+    "behaviour": lambda tmp, folder: behaviour_cases(),
+    "reload": lambda tmp, folder: reload_cases(tmp),
+    "cli": lambda tmp, folder: cli_cases(tmp, folder),
+}
+OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
+PASSING = ("ok", "clear")
+
+
+def run_group(name: str, tmp: Path, folder: Path) -> list[tuple[str, str, str, str]]:
+    """The (group, case, outcome, detail) rows of one group, each case run in this process."""
+    start = len(RESULTS)
+    torch.manual_seed(0)
+    GROUPS[name](tmp, folder)
+    return RESULTS[start:]
+
+
+def run_all() -> list[tuple[str, str, str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        from transformers import LlamaConfig, LlamaForCausalLM
+        folder = tiny_model_folder(tmp)
+        return [row for name in GROUPS for row in run_group(name, tmp, folder)]
 
-        from hf_tangent.models import load_tokenizer
 
-        tokenizer = load_tokenizer("smollm2-135m")
-        LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1,
-                                     max_position_embeddings=64)).save_pretrained(tmp / "tiny")
-        tokenizer.save_pretrained(tmp / "tiny")
-        config_cases()
-        patch_cases()
-        behaviour_cases()
-        reload_cases(tmp)
-        cli_cases(tmp, tmp / "tiny")
-    counts = Counter(outcome for _, _, outcome, _ in RESULTS)
-    groups = sorted({g for g, *_ in RESULTS})
-    outcomes = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
-    lines = ["# Hostile-input sweep", "", f"{len(RESULTS)} cases (`python tests/sweeps/hostile_inputs.py`).", "",
-             "| group | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
-    for group in groups:
-        c = Counter(o for g, _, o, _ in RESULTS if g == group)
-        lines.append(f"| {group} | " + " | ".join(str(c[o]) for o in outcomes) + " |")
-    lines.append("| **all** | " + " | ".join(f"**{counts[o]}**" for o in outcomes) + " |")
-    bad = [(g, c, o, d) for g, c, o, d in RESULTS if o in ("unclear", "silent wrong", "crash", "half-patched")]
-    if bad:
-        lines += ["", "Cases that are not ok / clear:", ""] + [f"- {g} / {c}: **{o}** {d}" for g, c, o, d in bad]
-    text = "\n".join(lines) + "\n"
+def summary(rows) -> dict:
+    """What the kept report (docs/results/hostile_sweep.json) holds: counts per group and outcome."""
+    groups = sorted({g for g, *_ in rows})
+    return {"report": "hostile_sweep", "cases": len(rows),
+            "outcomes": {o: sum(1 for r in rows if r[2] == o) for o in OUTCOMES},
+            "groups": {g: {o: sum(1 for r in rows if r[0] == g and r[2] == o) for o in OUTCOMES} for g in groups},
+            "failing": [list(r) for r in rows if r[2] not in PASSING]}
+
+
+def to_markdown(report: dict) -> str:
+    lines = ["# Hostile-input sweep", "", f"{report['cases']} cases (`python tests/sweeps/hostile_inputs.py`).", "",
+             "| group | " + " | ".join(OUTCOMES) + " |", "|---|" + "---:|" * len(OUTCOMES)]
+    for group, counts in report["groups"].items():
+        lines.append(f"| {group} | " + " | ".join(str(counts[o]) for o in OUTCOMES) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{report['outcomes'][o]}**" for o in OUTCOMES) + " |")
+    if report["failing"]:
+        lines += ["", "Cases that are not ok / clear:", ""] + [f"- {g} / {c}: **{o}** {d}" for g, c, o, d in report["failing"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output", help="write the report here: OUTPUT.json and OUTPUT.md (e.g. docs/results/hostile_sweep)")
+    args = parser.parse_args()
+    report = summary(run_all())
+    text = to_markdown(report)
     print(text)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        Path(f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        Path(f"{args.output}.md").write_text(text, encoding="utf-8")
+    sys.exit(1 if report["failing"] else 0)
 
 
 if __name__ == "__main__":
