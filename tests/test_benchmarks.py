@@ -1,9 +1,16 @@
-"""Benchmarks are not timed tests: each runs at a tiny size and produces well-formed output."""
+"""Benchmarks are not timed tests. What is checked here: the timing aggregation against an
+independent computation on a fake clock, the memory suite's exact byte count against what the fused
+update saves, the compile suite's graph breaks, and that each script runs at a tiny size (smoke)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_tangent.timing import interleaved_ratio
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -14,44 +21,85 @@ def run(script, *args):
     return result
 
 
-def test_patch_overhead_tiny_and_performance_page(tmp_path):
+def test_interleaved_ratio_against_an_independent_computation():
+    """A fake clock: the baseline takes 2 s every round, the candidate 2 * f_i in round i."""
+    factors = [1.3, 0.9, 1.1, 1.7, 1.0, 1.2, 0.8]
+    candidate_times = [2.0, 2.0] + [2.0 * f for f in factors]  # two warm-up calls, then one per round
+    now, calls = [0.0], []
+
+    def clock():
+        return now[0]
+
+    def baseline():
+        calls.append("b")
+        now[0] += 2.0
+
+    def candidate():
+        calls.append("c")
+        now[0] += candidate_times.pop(0)
+
+    result = interleaved_ratio(baseline, candidate, repeats=len(factors), warmup=2, clock=clock)
+    assert calls[:4] == ["b", "c", "b", "c"]  # warm-up
+    assert calls[4:] == [x for i in range(len(factors)) for x in (("b", "c") if i % 2 == 0 else ("c", "b"))]
+    assert result["ratios"] == pytest.approx(factors)
+    assert result["ratio_median"] == pytest.approx(float(np.median(factors)))
+    q25, q75 = np.percentile(factors, [25, 75], method="weibull")  # statistics.quantiles' exclusive method
+    assert (result["ratio_q25"], result["ratio_q75"]) == pytest.approx((q25, q75))
+    assert result["baseline_median_s"] == 2.0
+    assert result["candidate_median_s"] == pytest.approx(2.0 * float(np.median(factors)))
+
+
+@pytest.mark.parametrize("rule", ["projected", "retract_cayley"])
+def test_memory_suite_counts_exactly_what_the_fused_update_saves(rule):
+    """The fused update saves exactly x and y of each patched layer; x (the pre-FFN norm's input) is
+    saved by the norm already, so the patch adds one (batch, seq, d) float32 tensor per layer: y."""
+    import torch
+
+    import hf_tangent as ht
+
+    sys.path.insert(0, str(BENCH))
+    import patch_overhead
+
+    base = patch_overhead.build("tiny", "cpu").train()
+    patched = ht.patch(patch_overhead.build_like(base, "cpu").train(), ht.TangentConfig(**patch_overhead.RULES[rule]))
+    ids = torch.randint(0, base.config.vocab_size, (2, 24))
+    layers, d = base.config.num_hidden_layers, base.config.hidden_size
+    assert patch_overhead.saved_bytes(patched, ids) - patch_overhead.saved_bytes(base, ids) == layers * 2 * 24 * d * 4
+
+
+def test_patch_overhead_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "tiny.json"
-    run("patch_overhead.py", "--tiny", "--rules", "projected", "retract_cayley", "--output", str(out))
-    results = json.loads(out.read_text())
-    suites = {(r["rule"], r["suite"]): r for r in results["rows"]}
-    assert set(suites) == {(rule, s) for rule in ("projected", "retract_cayley")
-                           for s in ("forward", "train", "memory", "generate", "compile")}
-    for row in results["rows"]:
-        if row["suite"] in ("forward", "train", "generate", "compile"):
-            assert row["ratio_q25"] <= row["ratio_median"] <= row["ratio_q75"]
-            assert row["baseline_median_s"] > 0 and row["candidate_median_s"] > 0
-    memory = suites[("projected", "memory")]
-    assert memory["saved_bytes_patched"] >= memory["saved_bytes_unpatched"] > 0
-    assert memory["peak_bytes_patched"] > 0 and memory["peak_bytes_unpatched"] > 0
-    assert suites[("projected", "compile")]["graph_breaks_added"] == 0
+    run("patch_overhead.py", "--tiny", "--rules", "projected", "--suites", "forward", "--output", str(out))
+    row = json.loads(out.read_text())["rows"][0]
+    assert (row["rule"], row["suite"]) == ("projected", "forward") and len(row["ratios"]) == 2
+
+
+def test_performance_page_renders_the_ratios_of_its_json(tmp_path):
+    kept = json.loads((BENCH / "results" / "cpu.json").read_text())
     page = tmp_path / "performance.md"
-    run("make_performance_md.py", str(out), "--output", str(page))
+    run("make_performance_md.py", str(BENCH / "results" / "cpu.json"), "--output", str(page))
     text = page.read_text()
-    assert "### tiny" in text and "| projected |" in text and "| retract_cayley |" in text
+    row = next(r for r in kept["rows"] if r["suite"] == "forward")
+    assert f"{row['ratio_median']:.3f}" in text
 
 
-def test_diagnostics_overhead_tiny(tmp_path):
+def test_diagnostics_overhead_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "diag.json"
     run("diagnostics_overhead.py", "--tiny", "--repeats", "2", "--output", str(out))
     result = json.loads(out.read_text())
-    assert result["benchmark"] == "diagnostics_overhead" and result["ratio_median"] > 0
+    assert result["benchmark"] == "diagnostics_overhead" and len(result["ratios"]) == 2
 
 
-def test_parallel_speed_tiny(tmp_path):
+def test_parallel_speed_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "speed.json"
     run("parallel_speed.py", "--tiny", "--output", str(out))
     result = json.loads(out.read_text())
-    assert len(result["layers"]) == 2 and result["estimated_speedup"] >= 1.0
-    assert result["measured_speedup_hooks"] > 0 and result["measured_speedup_fused"] > 0
+    assert len(result["layers"]) == 2
+    for execution in ("hooks", "fused"):  # the reported speedup is the inverse of the measured median time ratio
+        assert result[f"measured_speedup_{execution}"] == pytest.approx(1 / np.median(result[f"measured_{execution}"]["ratios"]))
 
 
 def test_gpu_check_fails_fast_without_a_gpu():
-    import pytest
     import torch
 
     if torch.cuda.is_available():
@@ -60,7 +108,7 @@ def test_gpu_check_fails_fast_without_a_gpu():
     assert result.returncode == 2 and "gpu_check: no CUDA device here" in result.stderr
 
 
-@__import__("pytest").mark.slow
+@pytest.mark.slow
 def test_gpu_check_runs_its_steps_at_toy_size_on_the_cpu(tmp_path):
     """Everything after the gpu tests, at toy sizes in triton's interpreter: the code paths work and
     the JSON renders (the numbers mean nothing on a CPU)."""
