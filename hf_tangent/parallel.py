@@ -236,7 +236,8 @@ def recommend(model, calibration: torch.Tensor, heldout: torch.Tensor, *, budget
 
 
 @torch.no_grad()
-def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_size: int = 1) -> dict:
+def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_size: int = 1,
+                    clock=time.perf_counter) -> dict:
     """Median wall time per layer of the attention (T_A) and FFN (T_Phi) submodules, and of the
     whole forward, measured with hooks on this device (CUDA is synchronised around each module)."""
     spec, decoder = architecture(model)
@@ -247,7 +248,7 @@ def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_siz
     def now():
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return clock()
 
     for i, layer in enumerate(decoder):
         for role in ("attention", "mlp"):
