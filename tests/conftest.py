@@ -169,3 +169,28 @@ def _no_network(monkeypatch):
         return connect(sock, address)
 
     monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+def nll_with_ffn_rule(model, windows: torch.Tensor, rule=None) -> float:
+    """Mean next-token NLL of a Llama-layout model whose every layer adds rule(x, y) instead of y
+    (x: the pre-FFN norm's input, y: the MLP output; float64), written with plain torch hooks: an
+    independent check of what hf_tangent's patch and its reports compute. rule=None: the model."""
+    handles = []
+    for layer in model.model.layers if rule is not None else []:
+        seen = {}
+        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.__setitem__("x", a[0])))
+        handles.append(layer.mlp.register_forward_hook(
+            lambda m, a, y, seen=seen: rule(seen["x"].double(), y.double()).to(y.dtype)))
+    try:
+        with torch.no_grad():
+            losses = [model(w[None], labels=w[None]).loss.item() for w in windows]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(losses) / len(losses)
+
+
+def projected(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """y - <x, y> / (||x||^2 + eps) x (math.md), per token."""
+    return y - (x * y).sum(-1, keepdim=True) / ((x * x).sum(-1, keepdim=True) + eps) * x

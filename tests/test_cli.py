@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import nll_with_ffn_rule, projected
+
 from hf_tangent import cli
 from hf_tangent.data import pack_windows
 from hf_tangent.models import load_tokenizer
@@ -28,15 +30,16 @@ def test_eval_report_matches_an_independent_perplexity(tiny_folder, austen_dir, 
     report = json.loads((out / "report.json").read_text())
     rows = {r["variant"]: r for r in report["rows"]}
     assert list(rows) == ["unpatched", "projected", "zero (ablation)"]
-    # independent: the model's own loss on each window, token-weighted (equal lengths -> plain mean)
+    # independent: the model's own loss on each window (equal lengths: token-weighted = plain mean), and
+    # the rules written as plain torch hooks on the model's own layers
     model = LlamaForCausalLM.from_pretrained(tiny_folder).eval()
     windows = pack_windows(load_tokenizer(str(tiny_folder)), [open(text, encoding="utf-8").read()], 32, 3)
-    with torch.no_grad():
-        nll = sum(model(w[None], labels=w[None]).loss.item() for w in windows) / len(windows)
-    assert rows["unpatched"]["nll"] == pytest.approx(nll, rel=1e-5)
-    assert rows["unpatched"]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
-    assert rows["projected"]["delta_nll"] == pytest.approx(rows["projected"]["nll"] - nll, abs=1e-5)
-    assert rows["zero (ablation)"]["nll"] != rows["unpatched"]["nll"]
+    expected = {"unpatched": nll_with_ffn_rule(model, windows), "projected": nll_with_ffn_rule(model, windows, projected),
+                "zero (ablation)": nll_with_ffn_rule(model, windows, lambda x, y: torch.zeros_like(y))}
+    for variant, nll in expected.items():
+        assert rows[variant]["nll"] == pytest.approx(nll, rel=1e-5), variant
+        assert rows[variant]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
+        assert rows[variant]["delta_nll"] == pytest.approx(nll - expected["unpatched"], abs=1e-5)
     assert report["tokens_per_variant"] == 3 * 31
     markdown = (out / "report.md").read_text()
     assert "| projected |" in markdown and "| unpatched |" in markdown
@@ -79,9 +82,17 @@ def test_console_script_runs_the_offline_default(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["model"] == "smollm2-135m" and report["text"] == "austen:evaluation"
-    unpatched, projected = report["rows"]
-    assert 1.0 < unpatched["perplexity"] < 200.0  # a pretrained model, not random weights (~49152)
-    assert projected["delta_nll"] == pytest.approx(projected["nll"] - unpatched["nll"])
+    rows = {r["variant"]: r for r in report["rows"]}
+    # independent: the same window, the real weights, the projection as plain torch hooks
+    from hf_tangent.data import load_documents
+    from hf_tangent.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    windows = pack_windows(tokenizer, load_documents(split="evaluation"), 64, 1)
+    unpatched = nll_with_ffn_rule(model, windows)
+    assert rows["unpatched"]["nll"] == pytest.approx(unpatched, rel=1e-5)
+    assert rows["projected"]["nll"] == pytest.approx(nll_with_ffn_rule(model, windows, projected), rel=1e-4)
+    assert rows["unpatched"]["perplexity"] < 200.0  # a pretrained model (random weights: ~49152)
 
 
 def test_eval_of_a_saved_patched_folder_reports_its_patch(tiny_folder, austen_dir, tmp_path):
