@@ -172,16 +172,16 @@ def _no_network(monkeypatch):
 
 
 def nll_with_ffn_rule(model, windows: torch.Tensor, rule=None) -> float:
-    """Mean next-token NLL of a Llama-layout model whose every layer adds rule(x, y) instead of y
+    """Mean next-token NLL of a Llama-layout model whose layer i adds rule(x, y, i) instead of y
     (x: the pre-FFN norm's input, y: the MLP output; float64), written with plain torch hooks: an
     independent check of what hf_tangent's patch and its reports compute. rule=None: the model."""
     handles = []
-    for layer in model.model.layers if rule is not None else []:
+    for i, layer in enumerate(model.model.layers if rule is not None else []):
         seen = {}
         handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
             lambda m, a, seen=seen: seen.__setitem__("x", a[0])))
         handles.append(layer.mlp.register_forward_hook(
-            lambda m, a, y, seen=seen: rule(seen["x"].double(), y.double()).to(y.dtype)))
+            lambda m, a, y, seen=seen, i=i: rule(seen["x"].double(), y.double(), i).to(y.dtype)))
     try:
         with torch.no_grad():
             losses = [model(w[None], labels=w[None]).loss.item() for w in windows]
@@ -191,6 +191,6 @@ def nll_with_ffn_rule(model, windows: torch.Tensor, rule=None) -> float:
     return sum(losses) / len(losses)
 
 
-def projected(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """y - <x, y> / (||x||^2 + eps) x (math.md), per token."""
+def projected(x: torch.Tensor, y: torch.Tensor, layer: int | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """y - <x, y> / (||x||^2 + eps) x (math.md), per token (the same in every layer)."""
     return y - (x * y).sum(-1, keepdim=True) / ((x * x).sum(-1, keepdim=True) + eps) * x

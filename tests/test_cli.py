@@ -35,7 +35,7 @@ def test_eval_report_matches_an_independent_perplexity(tiny_folder, austen_dir, 
     model = LlamaForCausalLM.from_pretrained(tiny_folder).eval()
     windows = pack_windows(load_tokenizer(str(tiny_folder)), [open(text, encoding="utf-8").read()], 32, 3)
     expected = {"unpatched": nll_with_ffn_rule(model, windows), "projected": nll_with_ffn_rule(model, windows, projected),
-                "zero (ablation)": nll_with_ffn_rule(model, windows, lambda x, y: torch.zeros_like(y))}
+                "zero (ablation)": nll_with_ffn_rule(model, windows, lambda x, y, i: torch.zeros_like(y))}
     for variant, nll in expected.items():
         assert rows[variant]["nll"] == pytest.approx(nll, rel=1e-5), variant
         assert rows[variant]["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
