@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import logits_without_hf_tangent, make_tiny
+from conftest import logits_without_hf_tangent, make_tiny, nll_with_ffn_rule
 
 import hf_tangent as ht
 from hf_tangent.heal import (
@@ -168,10 +168,25 @@ def test_tiny_heal_lowers_the_held_out_kl(tmp_path):
     model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", alpha=3.0))  # KL ~0.12 untrained
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
     before = held_out_kl(model, held_out)
+    assert before == pytest.approx(_independent_kl(model, held_out), rel=1e-5)
     _heal(model, tmp_path, 60, homotopy_steps=10, lr=1e-2, n=480, batch=8)  # 60 steps, each batch new
     after = held_out_kl(model, held_out)
     assert ht.get_homotopy(model) == 1.0
-    assert after < 0.7 * before, (before, after)  # measured: 0.125 -> 0.063
+    assert after == pytest.approx(_independent_kl(model, held_out), rel=1e-5)
+    assert after < before, (before, after)
+
+
+def _independent_kl(peft_model, ids):
+    """Mean KL(teacher || student) per token; the teacher is the base model with the patch removed
+    and the adapters off, taken apart by hand (a copy: unpatch + unload)."""
+    import copy
+
+    student = copy.deepcopy(peft_model).eval()
+    teacher = ht.unpatch(copy.deepcopy(peft_model).unload()).eval()
+    with torch.no_grad():
+        p = torch.log_softmax(teacher(ids).logits.double(), -1)
+        q = torch.log_softmax(student(ids).logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
 def test_resume_mid_homotopy_continues_the_schedule(tmp_path):
@@ -212,7 +227,6 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     from transformers import LlamaForCausalLM
 
     from hf_tangent import cli
-    from hf_tangent.evaluation import perplexity
 
     out = tmp_path / "heal"
     code = cli.main(["heal", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
@@ -234,8 +248,15 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     documents = [text]
     held_out = pack_windows(load_tokenizer(str(tiny_lm_folder)), documents, 32, 4)
     assert held_out.shape[0] == report["eval_windows"]
-    unpatched = perplexity(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), held_out)["nll"]
+    unpatched = nll_with_ffn_rule(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), held_out)
     assert report["unpatched_nll"] == pytest.approx(unpatched, rel=1e-5)
+    # the healed NLL: the saved (LoRA-merged) weights, the retraction written out in float64 as plain hooks
+    from test_patching import expected_delta
+
+    rule = ht.get_config(healed)
+    weights = ht.unpatch(ht.from_pretrained(run["saved"])).eval()
+    healed_nll = nll_with_ffn_rule(weights, held_out, lambda x, y, i: expected_delta(rule, x, y))
+    assert run["healed"]["nll"] == pytest.approx(healed_nll, rel=1e-4)
     card = (out / "runs" / "seed0" / "model" / "README.md").read_text()
     assert "healed" in card and f"{run['healed']['nll']:.4f}" in card
     assert "| mean |" in (out / "report.md").read_text()

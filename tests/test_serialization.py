@@ -24,7 +24,7 @@ def save_patched(arch, path, config=CONFIG):
     with torch.no_grad():
         for child in ht.tangent_layers(model):
             if child.gate is not None:
-                child.gate.fill_(0.5 + 0.25 * child.index)
+                child.gate.fill_(0.5 + 0.375 * child.index)  # 0.5, 1.25: neither is the initial 1.0
     model.save_pretrained(path)
     return model
 
@@ -57,7 +57,7 @@ def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path, ids):
     configs = json.loads((tmp_path / "configs.json").read_text())
     for arch in ARCHS:
         assert torch.equal(reloaded[arch], expected[arch]), arch
-        assert configs[arch]["gates"] == [0.5, 1.0]
+        assert configs[arch]["gates"] == [0.5, 1.25]
         assert configs[arch]["update"] == "soft" and configs[arch]["beta"] == 0.3
 
 
@@ -169,6 +169,6 @@ def test_sharded_save_reloads_gates(tmp_path, ids):
     model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     reloaded = ht.from_pretrained(tmp_path / "sharded").eval()
-    assert [c.gate.item() for c in ht.tangent_layers(reloaded) if c.gate is not None] == [0.5, 1.0]
+    assert [c.gate.item() for c in ht.tangent_layers(reloaded) if c.gate is not None] == [0.5, 1.25]
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
