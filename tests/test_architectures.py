@@ -7,10 +7,10 @@ it on one representative type per kind of block; the whole mapping is the `slow`
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch

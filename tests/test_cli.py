@@ -7,9 +7,8 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-
 from conftest import nll_with_ffn_rule, projected
+from transformers import LlamaForCausalLM
 
 from hf_tangent import cli
 from hf_tangent.data import pack_windows
