@@ -33,7 +33,7 @@ _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "fin
          "ablate": "experiments", "diagnose_layers": "experiments", "layer_sensitivity": "experiments",
          "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
          "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
-         "HealSettings": "experiments", "HomotopyCallback": "heal", "critical": "experiments",
+         "HealSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
          "pressure": "experiments", "ffn_jacobian": "experiments"}
 
 

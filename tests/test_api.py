@@ -98,3 +98,26 @@ def test_run_study_api(tmp_path):
                           overrides={"max_steps": 2, "eval_every": 2})
     assert report.kind == "study" and [r["variant"] for r in report["runs"]] == ["unpatched", "projected"]
     assert "**Verdict.**" in report.to_markdown()
+
+
+def test_every_public_name_keeps_its_type_and_none_is_a_module_name():
+    """`ht.heal` was the lazily loaded function on first access and the module hf_tangent/heal.py on every
+    later one (importing the recipe set the submodule as the package attribute). In a fresh process:
+    no public name is also a submodule's name, and walking __all__ twice gives the same objects."""
+    import subprocess
+    import sys
+
+    script = (
+        "import hf_tangent as ht, pkgutil, types\n"
+        "modules = {m.name for m in pkgutil.iter_modules(ht.__path__)}\n"
+        "clash = sorted(set(ht.__all__) & modules)\n"
+        "assert not clash, clash\n"
+        "first = {n: getattr(ht, n) for n in ht.__all__}\n"
+        "second = {n: getattr(ht, n) for n in ht.__all__}\n"
+        "changed = [n for n in ht.__all__ if first[n] is not second[n]]\n"
+        "assert not changed, changed\n"
+        "assert not [n for n, o in second.items() if isinstance(o, types.ModuleType)]\n"
+        "assert callable(ht.heal) and callable(ht.heal)\n"
+        "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

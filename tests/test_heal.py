@@ -9,7 +9,7 @@ import torch
 from conftest import logits_without_hf_tangent, make_tiny, nll_with_ffn_rule
 
 import hf_tangent as ht
-from hf_tangent.heal import (
+from hf_tangent.healing import (
     HomotopyCallback,
     distillation_loss,
     heal_trainer_class,

@@ -43,8 +43,14 @@ def windows(model, tokenizer, documents: list[str], seq_len: int, max_windows: i
 
 
 def environment(device, dtype, seed) -> dict:
+    """What a report records about where it ran, with the process's peak resident memory so far."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes
     return {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed}
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed,
+            "threads": torch.get_num_threads(), "peak_rss_gb": round(peak / 2**30, 2)}
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import torch
 from ..config import TangentConfig
 from ..data import TextSource
 from ..evaluation import perplexity
-from ..heal import HomotopyCallback, heal_trainer_class, held_out_kl
+from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
 from ..patching import get_config, get_homotopy, patch
 from ..reports import Report
