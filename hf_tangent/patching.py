@@ -39,13 +39,33 @@ CHILD_NAME = "tangent_patch"
 CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
 _MODEL_ATTR = "_hf_tangent_config"
 _OWN_CONFIG_ATTR = "_hf_tangent_own_config"  # the model's private transformers config
+_DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: patch / unpatch refuse there
 
 
 # ----------------------------------------------------------------------------- checks
+def require_model(model, function: str):
+    """The transformers model inside any wrapper, or a TypeError that names what was passed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hf_tangent.{function} expects a transformers model (nn.Module), got {type(model).__name__}.")
+    base = unwrap(model)
+    if getattr(getattr(base, "config", None), "model_type", None) is None:
+        raise TypeError(f"hf_tangent.{function} expects a transformers model (a module with config.model_type), got "
+                        f"{type(base).__name__}.")
+    return base
+
+
+def _refuse_inside_disabled(base, function: str) -> None:
+    if vars(base).get(_DISABLED_ATTR):
+        raise ValueError(f"hf_tangent.{function}: the model is inside `with hf_tangent.disabled(model):`, which puts its "
+                         f"patch back when the block ends, so this change would be undone silently; call "
+                         f"hf_tangent.{function} after the block.")
+
+
 def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
     """Everything that can be wrong with the model, checked before anything is changed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hf_tangent.patch expects a transformers model (nn.Module), got {type(model).__name__}.")
+    _refuse_inside_disabled(model, "patch")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("hf_tangent: this model is already torch.compile'd; patch first, then compile.")
     compiled = [name or "the model" for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
@@ -282,42 +302,83 @@ def _commit(model, new: _PatchState) -> None:
 def unpatch(model):
     """Remove the patch (also through PEFT/DDP wrappers): outputs are bit-identical to the model
     before `patch`. Returns the model as passed."""
-    base = unwrap(model)
+    base = require_model(model, "unpatch")
+    _refuse_inside_disabled(base, "unpatch")
     _remove(base, _snapshot(base))
     return model
 
 
 def update_config(model, **changes):
-    """Change fields of the active patch, validated: the patch and its saved record follow, and
-    gate values of layers that stay gated are kept. `update_config(model, beta=0.5)`."""
-    base = unwrap(model)
+    """Change fields of the active patch, validated: the patch and its saved record follow; gate
+    values of layers that stay gated and the homotopy lambda (set_homotopy) are kept.
+    `update_config(model, beta=0.5)`."""
+    base = require_model(model, "update_config")
+    _refuse_inside_disabled(base, "update_config")
     current = get_config(base)
     if current is None:
         raise ValueError("hf_tangent.update_config: the model is not patched; use hf_tangent.patch(model, config).")
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TangentConfig)})
     if unknown:
         raise ValueError(f"hf_tangent.update_config: unknown TangentConfig fields {unknown}.")
+    new = dataclasses.replace(current, **changes)
+    homotopy = getattr(base.config, CONFIG_KEY, {}).get("homotopy")
+    if homotopy is not None and isinstance(get_homotopy(base), dict):  # per layer: the layers must stay the same
+        layers = len(architecture_layers(base))
+        before = sorted(set(current.resolve_layers(layers)) | set(current.resolve_parallel_layers(layers)))
+        after = sorted(set(new.resolve_layers(layers)) | set(new.resolve_parallel_layers(layers)))
+        if before != after:
+            raise ValueError(f"hf_tangent.update_config: the patch has a per-layer homotopy lambda on layers {before}; "
+                             f"the change patches layers {after}, which would leave layers without their lambda. "
+                             "Set one lambda with hf_tangent.set_homotopy(model, value) first, or keep the layers.")
+    lambdas = get_homotopy(base)
     gates = {c.index: c.gate.detach().clone() for c in tangent_layers(base) if c.gate is not None}
-    patch(base, dataclasses.replace(current, **changes))
+    patch(base, new)
     with torch.no_grad():
         for child in tangent_layers(base):
             if child.gate is not None and child.index in gates:
                 child.gate.copy_(gates[child.index].reshape(child.gate.shape))
+    if homotopy is not None:
+        set_homotopy(base, lambdas, schedule=homotopy.get("schedule"), steps=homotopy.get("steps"))
     return model
+
+
+def architecture_layers(base) -> nn.ModuleList:
+    return resolve_spec(base).decoder_layers(base)
+
+
+@contextlib.contextmanager
+def preserved(model):
+    """Whatever is patched, converted or unpatched inside the block is undone on exit (also after
+    an exception): the model's patch is the very same one as before, gate values and lambda included.
+    The shared context of the analyses (they patch the model they are given, to compare rules)."""
+    base = unwrap(model)
+    state, marker = _snapshot(base), vars(base).pop(_DISABLED_ATTR, None)
+    state.record = copy.deepcopy(state.record)  # set_homotopy writes into the record and the layers
+    blends = [(child, child.blend) for _, child in state.children]
+    try:
+        yield model
+    finally:
+        _remove(base, _snapshot(base))
+        for child, blend in blends:
+            child.blend = blend
+        _apply(base, state)
+        if marker is not None:
+            vars(base)[_DISABLED_ATTR] = marker
 
 
 @contextlib.contextmanager
 def disabled(model):
     """Within the block the model is unpatched (bit-identical to the model before `patch`); on exit,
-    also after an exception, the very same patch is back, gate values included."""
-    base = unwrap(model)
-    state = _snapshot(base)
-    _remove(base, state)
-    try:
-        yield model
-    finally:
-        _remove(base, _snapshot(base))  # a patch applied inside the block does not survive it
-        _apply(base, state)
+    also after an exception, the very same patch is back, gate values included. `patch`, `unpatch`,
+    `update_config` and `set_homotopy` refuse inside the block (their change would be undone)."""
+    base = require_model(model, "disabled")
+    with preserved(base):
+        _remove(base, _snapshot(base))
+        vars(base)[_DISABLED_ATTR] = True
+        try:
+            yield model
+        finally:
+            vars(base).pop(_DISABLED_ATTR, None)
 
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")
@@ -331,7 +392,8 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
     (1 - lambda) r + lambda h (r: the residual after attention, h: the block input). lambda = 0 is
     bit-identical to the unpatched model, 1 to the patch. Recorded in the saved patch, with the
     schedule (`schedule`, `steps`) that set it, if any."""
-    base = unwrap(model)
+    base = require_model(model, "set_homotopy")
+    _refuse_inside_disabled(base, "set_homotopy")
     record = getattr(base.config, CONFIG_KEY, None)
     if get_config(base) is None or record is None:
         raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")
@@ -372,9 +434,11 @@ def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
     return parsed
 
 
-def get_homotopy(model) -> float | dict[int, float]:
+def get_homotopy(model) -> float | dict[int, float] | None:
     """The patch's homotopy lambda (1.0 unless set_homotopy changed it); {layer: lambda} when the
-    layers differ."""
+    layers differ; None when the model is not patched (as get_config)."""
+    if get_config(model) is None:
+        return None
     values = {child.index: child.blend for child in tangent_layers(model)}
     if len(set(values.values())) <= 1:
         return next(iter(values.values()), 1.0)
@@ -383,7 +447,7 @@ def get_homotopy(model) -> float | dict[int, float]:
 
 def get_config(model) -> TangentConfig | None:
     """The active (read-only) TangentConfig of a patched model, through any wrapper, or None."""
-    return vars(unwrap(model)).get(_MODEL_ATTR)
+    return vars(require_model(model, "get_config")).get(_MODEL_ATTR)
 
 
 def tangent_layers(model) -> list[TangentLayer]:
