@@ -446,9 +446,9 @@ def resolve_spec(model) -> ArchitectureSpec:
 
 def describe(model) -> str:
     """What hf_tangent found for this model: the spec, where it came from, and the per-layer verification."""
-    from .wrappers import unwrap
+    from .patching import require_model  # patching.py builds on this module
 
-    model = unwrap(model)
+    model = require_model(model, "describe")
     spec = resolve_spec(model)
     layers = spec.decoder_layers(model)
     v = verify(model, spec, layers)

@@ -367,6 +367,16 @@ def preserved(model):
 
 
 @contextlib.contextmanager
+def without_patch(model):
+    """The model unpatched inside the block, free to be patched and unpatched by an analysis that
+    compares rules on it; the very same patch back on exit (preserved). `disabled` is the public
+    form, which refuses patching inside."""
+    with preserved(model):
+        _remove(unwrap(model), _snapshot(unwrap(model)))
+        yield model
+
+
+@contextlib.contextmanager
 def disabled(model):
     """Within the block the model is unpatched (bit-identical to the model before `patch`); on exit,
     also after an exception, the very same patch is back, gate values included. `patch`, `unpatch`,

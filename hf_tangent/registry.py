@@ -35,6 +35,26 @@ class ArchitectureSpec:
     source: str = "registry"  # "registry" or "discovered"
 
     def __post_init__(self):
+        def fail(name, accepted):
+            raise ValueError(f"hf_tangent: ArchitectureSpec.{name}={getattr(self, name)!r} is not valid; accepted: "
+                             f"{accepted}.")
+
+        for f in dataclasses.fields(self):  # the registry is shared by every model: a bad entry must never get in
+            value = getattr(self, f.name)
+            if f.name in ("model_type", "layers", "ffn_norm"):
+                if not isinstance(value, str) or not value.strip():
+                    fail(f.name, "a non-empty string" + (" (an attribute path)" if f.name != "model_type" else ""))
+            elif f.name in ("fused_attention_in", "fused_ffn_in"):
+                if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                    fail(f.name, "a tuple of attribute paths (strings)")
+            elif f.name == "parallel":
+                if not isinstance(value, bool):
+                    fail(f.name, "True or False")
+            elif f.name == "source":
+                if value not in ("registry", "discovered"):
+                    fail(f.name, "'registry' or 'discovered'")
+            elif value is not None and (not isinstance(value, str) or not value.strip()):
+                fail(f.name, "an attribute path (a non-empty string) or None")
         if self.ffn_out is None and self.mlp is None:
             raise ValueError(f"hf_tangent: the spec of '{self.model_type}' names neither mlp nor ffn_out.")
 
@@ -155,7 +175,15 @@ _RECORD_KEY = "hf_tangent"  # the patch record in model.config (patching.CONFIG_
 
 def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bool = False, **fields) -> ArchitectureSpec:
     """Register an architecture, as a spec or as its fields: `register_architecture(model_type=..., ...)`."""
-    spec = spec if spec is not None else ArchitectureSpec(**fields)
+    if spec is not None and not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"hf_tangent.register_architecture expects an ArchitectureSpec or its fields, got "
+                        f"{type(spec).__name__}.")
+    if spec is None:
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ArchitectureSpec)})
+        if unknown:
+            raise ValueError(f"hf_tangent.register_architecture: unknown fields {unknown}; accepted: "
+                             f"{', '.join(f.name for f in dataclasses.fields(ArchitectureSpec))}.")
+        spec = ArchitectureSpec(**fields)
     if spec.model_type in _REGISTRY and not overwrite:
         raise ValueError(f"hf_tangent: model_type '{spec.model_type}' is already registered; pass overwrite=True.")
     _REGISTRY[spec.model_type] = spec

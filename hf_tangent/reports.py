@@ -18,6 +18,10 @@ from . import plots
 from .verdicts import summarize, verdict, verdict_outcome
 
 
+# Published values the pages quote beside ours (not measured here)
+PAPER_MEAN_GATES = "GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009"
+
+
 @dataclass
 class Report:
     """The result of one experiment (`kind`: eval, calibrate, finetune, diagnose, ablate,
@@ -112,7 +116,7 @@ def calibrate_markdown(report: dict) -> str:
         "## Gate profile",
         "",
         f"mean gate **{s['mean']:.3f}**, min {s['min']:.3f} (layer {s['argmin']}) .. max {s['max']:.3f} "
-        f"(layer {s['argmax']}). Paper: GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009.",
+        f"(layer {s['argmax']}). Paper: {PAPER_MEAN_GATES}.",
         "",
         f"Gates by layer: {gates}",
         "",

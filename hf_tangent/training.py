@@ -11,10 +11,12 @@ import os
 import re
 import statistics
 import warnings
+from typing import ClassVar
 
 import torch
 
 from .patching import CHILD_NAME, tangent_layers
+from .ranges import Range, at_least, check_ranges
 from .wrappers import full_parameters, full_value
 
 GATE_SUFFIX = f"{CHILD_NAME}.gate"
@@ -88,7 +90,12 @@ class TangentTrainingArguments(_transformers_training_arguments()):
     dataloader_drop_last: bool = dataclasses.field(default=True, metadata={"help": "Full batches only."})
     remove_unused_columns: bool = dataclasses.field(default=False, metadata={"help": "Keep the packed LM columns."})
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_steps": at_least(1), "per_device_train_batch_size": at_least(1), "per_device_eval_batch_size": at_least(1),
+        "gradient_accumulation_steps": at_least(1), "learning_rate": Range(0), "save_steps": Range(0)}
+
     def __post_init__(self):
+        check_ranges(self)
         if self.save_steps and self.save_steps > 0:
             self.save_strategy = "steps"
         else:

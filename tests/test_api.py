@@ -71,11 +71,11 @@ def test_ablate_diagnose_sensitivity_agree_with_the_library(tiny, text, austen_d
                        progress=False)
     direct = ablation.run_ablation(model, windows, variants=["zero_ffn"], n_boot=50)
     assert report["rows"] == direct["rows"] and report["full_loss"] == direct["full_loss"]
-    with pytest.raises(ValueError, match="bootstrap=0"):
+    with pytest.raises(ValueError, match=r"bootstrap=0 is out of range; accepted: an integer >= 1"):
         ht.ablate(model, tokenizer, text=text, bootstrap=0, progress=False)
     report = ht.diagnose_layers(model, tokenizer, text=text, update="projected", seq_len=32, max_windows=2, progress=False)
-    assert report["layers"][1]["orthogonality_error"]["max"] < 1e-4 and ht.get_config(model) is not None
-    ht.unpatch(model)
+    assert report["layers"][1]["orthogonality_error"]["max"] < 1e-4
+    assert ht.get_config(model) is None  # the analysis patched the model it was given, and took the patch off again
     assert report["layers"][0]["rho"] == pytest.approx(diagnostics.diagnose(
         ht.patch(model, ht.TangentConfig(update="projected")), windows)[0]["rho"])
     ht.unpatch(model)
@@ -121,3 +121,88 @@ def test_every_public_name_keeps_its_type_and_none_is_a_module_name():
         "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def _entry_points_kwargs(tmp_path):
+    """Small settings for every experiment entry point (hf_tangent/experiments), by name."""
+    from hf_tangent.experiments.finetune import FinetuneTrainingArguments
+    from hf_tangent.experiments.heal import HealTrainingArguments
+
+    small = dict(seq_len=16, max_windows=1)
+    one_step = dict(max_steps=1, use_cpu=True, per_device_train_batch_size=1, per_device_eval_batch_size=1)
+    return {
+        "evaluate_rules": dict(rules=["projected"], **small),
+        "calibrate_gates": dict(training_args=ht.TangentTrainingArguments(output_dir=str(tmp_path / "c"), **one_step),
+                                train_windows=1, **small),
+        "finetune": dict(rules=["projected"], seeds=[0], train_windows=1, method="full",
+                         training_args=FinetuneTrainingArguments(output_dir=str(tmp_path / "f"), **one_step), **small),
+        "heal": dict(settings=ht.HealSettings(method="full", homotopy_fraction=0.0), train_windows=1, max_new_tokens=1,
+                     training_args=HealTrainingArguments(output_dir=str(tmp_path / "h"), **one_step), **small),
+        "ablate": dict(variants=["full", "zero_ffn"], bootstrap=10, **small),
+        "diagnose_layers": dict(**small),
+        "layer_sensitivity": dict(**small),
+        "parallel_sweep": dict(ks=[0, 1], random_seeds=[0], greedy=False, speed=False, calibration_windows=1, **small),
+        "critical": dict(layers=[0], fields=["attention"], random_starts=2, token_starts=0, steps=2, **small),
+        "pressure": dict(factors=[0.5], variants=["full"], **small),
+        "ffn_jacobian": dict(layers=[0], tokens=2, **small),
+    }
+
+
+ENTRY_POINTS = [n for n, module in ht._LAZY.items() if module == "experiments" and n[0].islower()]
+
+
+def _state(model):
+    """Everything a call could change on a model: logits, hooks, record, gates, lambda, flags."""
+    import json
+
+    ids = torch.arange(8)[None] % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(ids).logits
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    gates = [c.gate.detach().clone() for c in ht.tangent_layers(model) if c.gate is not None]
+    return (logits, hooks, json.dumps(getattr(model.config, "hf_tangent", None), sort_keys=True, default=str),
+            [g.tolist() for g in gates], ht.get_homotopy(model), [m.training for m in model.modules()],
+            [p.requires_grad for p in model.parameters()], type(model.config))
+
+
+def _same(a, b):
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_the_entry_point_list_is_complete(tmp_path):
+    assert sorted(_entry_points_kwargs(tmp_path)) == sorted(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_leaves_a_patched_model_as_it_was(name, tiny, text, tmp_path):
+    """Refused with one clear error, or run on the model as it is; either way the caller's patch,
+    gates, lambda and training flags come back bit-identical (`ht.pressure` used to delete them)."""
+    model, tokenizer = tiny
+    ht.patch(model, ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        ht.tangent_layers(model)[0].gate.fill_(0.75)
+    ht.set_homotopy(model, 0.4)
+    model.train()
+    before = _state(model)
+    function = getattr(ht, name)
+    args = (ht.TangentConfig(update="projected"),) if name == "heal" else ()
+    if name in ("evaluate_rules", "diagnose_layers"):  # analysed as they are
+        function(model, *args, tokenizer=tokenizer, text=text, progress=False, **_entry_points_kwargs(tmp_path)[name])
+    else:
+        with pytest.raises(ValueError, match=rf"hf_tangent.{name} works on the unpatched model, and this model is patched"):
+            function(model, *args, tokenizer=tokenizer, text=text, **_entry_points_kwargs(tmp_path)[name])
+    assert _same(before, _state(model))
+
+
+@pytest.mark.parametrize("name", [n for n in ENTRY_POINTS if n != "calibrate_gates"])  # documented: trains in place
+def test_every_entry_point_leaves_an_unpatched_model_unpatched(name, tiny, text, tmp_path):
+    model, tokenizer = tiny
+    model.model.layers[0].train()
+    before = _state(model)
+    kwargs = _entry_points_kwargs(tmp_path)[name]
+    if name == "diagnose_layers":  # patches the model with the variant for the analysis
+        kwargs = kwargs | {"update": "projected"}
+    args = (ht.TangentConfig(update="projected"),) if name == "heal" else ()
+    kwargs |= {} if name in ("finetune", "heal", "calibrate_gates") else {"progress": False}
+    getattr(ht, name)(model, *args, tokenizer=tokenizer, text=text, **kwargs)
+    assert _same(before, _state(model))

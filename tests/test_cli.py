@@ -49,7 +49,7 @@ def test_eval_report_matches_an_independent_perplexity(tiny_folder, austen_dir, 
     [
         (["--seq-len", "100"], "exceeds the model's context of 64 tokens"),
         (["--text-files", "/nonexistent.txt"], "text files not found"),
-        (["--seq-len", "1"], "--seq-len 1 is too small"),
+        (["--seq-len", "1"], "--seq-len 1 is out of range; accepted: an integer >= 2"),
     ],
 )
 def test_eval_errors_are_clear(tiny_folder, tmp_path, capsys, austen_dir, extra, message):

@@ -5,6 +5,7 @@ expensive work. Reports regenerate from their kept JSON."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,8 @@ def test_each_command_owns_exactly_its_options():
 @pytest.mark.parametrize("argv, command, message", [
     (["eval", "--device", "cuda"], "eval", "CUDA is not available here"),
     (["eval", "--device", "gpu0"], "eval", "is not a device"),
-    (["ablate", "--bootstrap", "0"], "ablate", "--bootstrap 0 is too small (at least 1)"),
-    (["eval", "--seq-len", "1"], "eval", "--seq-len 1 is too small"),
+    (["ablate", "--bootstrap", "0"], "ablate", "--bootstrap 0 is out of range; accepted: an integer >= 1"),
+    (["eval", "--seq-len", "1"], "eval", "--seq-len 1 is out of range; accepted: an integer >= 2"),
     (["eval", "--updates", "projectd"], "eval", "invalid choice: 'projectd'"),
     (["eval", "--max-window", "2"], "eval", "unrecognized arguments: --max-window 2"),  # no abbreviations
 ])
@@ -109,15 +110,54 @@ def test_recipe_booleans_and_the_command_line_wins(tmp_path):
         cli.parse_args(["calibrate", "--recipe", str(tmp_path / "missing.yaml")])
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (DOCS / "results").glob("*.json")))
-def test_kept_reports_regenerate_from_their_json(name):
-    """docs/results/*.md are what the renderer makes of the JSON kept beside them (same numbers)."""
+KEPT_REPORTS = sorted(str(p.relative_to(DOCS / "results")) for p in (DOCS / "results").rglob("*.json")
+                      if "command" in json.loads(p.read_text()) and p.with_suffix(".md").is_file())
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+\.\d+(?:e[-+]?\d+)?")
+
+
+def _values(data) -> list[float]:
+    if isinstance(data, dict):
+        return [v for item in data.values() for v in _values(item)]
+    if isinstance(data, list):
+        return [v for item in data for v in _values(item)]
+    return [float(data)] if isinstance(data, (int, float)) and not isinstance(data, bool) else []
+
+
+@pytest.mark.parametrize("name", KEPT_REPORTS)
+def test_kept_report_pages_are_in_sync_with_their_json(name):
+    """docs/results/**.md are what the renderer makes of the JSON kept beside them today (a page
+    edited by hand, or a renderer changed without regenerating the pages, fails here)."""
     def text(markdown):  # the kept pages link renamed plot files: compare everything but image links
         return [line for line in markdown.splitlines() if not line.startswith("![")]
 
     report = Report.load(DOCS / "results" / name)
-    kept = (DOCS / "results" / name.replace(".json", ".md")).read_text(encoding="utf-8")
+    kept = (DOCS / "results" / name).with_suffix(".md").read_text(encoding="utf-8")
     assert text(report.to_markdown()) == text(kept)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="the critical page's mean unstable shares are computed by the renderer; issue 22 rewrites it"))
+    if n == "geometry/critical/report.json" else n for n in KEPT_REPORTS])
+def test_every_number_on_a_kept_report_page_is_in_its_json(name):
+    """Independent of the renderer: each decimal number on the page is a value of the JSON (to the
+    digits printed), a difference from the report's reference value (heal: the unpatched NLL), or a
+    published value the page quotes (reports.PAPER_MEAN_GATES)."""
+    from hf_tangent.reports import PAPER_MEAN_GATES
+
+    data = json.loads((DOCS / "results" / name).read_text())
+    values = _values(data)
+    values += [v - data["unpatched_nll"] for v in values] if "unpatched_nll" in data else []
+    quoted = set(NUMBER.findall(PAPER_MEAN_GATES))
+    page = (DOCS / "results" / name).with_suffix(".md").read_text(encoding="utf-8")
+    unknown = []
+    for number in NUMBER.findall(page):
+        mantissa = number.split("e")[0]
+        digits = len(mantissa.split(".")[1])
+        x = float(number)
+        tolerance = 0.5 * 10 ** -digits * (abs(x) / float(mantissa) if "e" in number and float(mantissa) else 1) + 1e-12
+        if number not in quoted and not any(abs(v - x) <= tolerance or abs(-v - x) <= tolerance for v in values):
+            unknown.append(number)
+    assert not unknown, f"{name}: numbers on the page that are not in its JSON: {unknown}"
 
 
 def test_report_load_refuses_what_is_not_a_report(tmp_path):

@@ -94,7 +94,7 @@ def test_study_recipe_budget_and_own_data(tmp_path):
     (["study"], "name a study: one of tangential, retraction, noise"),
     (["study", "noise", "--model", "gpt2"], "unrecognized arguments: --model gpt2"),  # studies build their models
     (["study", "noise", "--seed", "1"], "unrecognized arguments: --seed 1"),  # not an abbreviation of --seeds
-    (["study", "noise", "--eval-every", "0"], "study setting eval_every=0 must be positive"),
+    (["study", "noise", "--eval-every", "0"], "--eval-every 0 is out of range; accepted: an integer >= 1"),
     (["study", "noise", "--calibration-files", "a.txt"], "--calibration-files needs --text-files"),
 ])
 def test_bad_study_options(args, message, tmp_path, capsys):

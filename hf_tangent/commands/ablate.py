@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..ablation import VARIANTS
+from ..experiments.analysis import ABLATE_RANGES
+from ..ranges import Range
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -17,7 +21,9 @@ from .arguments import (
 
 
 @dataclass
-class AblateArguments:
+class AblateArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = ABLATE_RANGES
+
     variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={
         "help": "ablations to run", "choices": list(VARIANTS)})
     layerwise: bool = field(default=False, metadata={

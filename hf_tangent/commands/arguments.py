@@ -14,17 +14,28 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from .. import data
 from ..data import TextSource
 from ..models import DEFAULT_MODEL, OFFLINE_MODELS
+from ..ranges import TEXT_RANGES, Range, RangeError, at_least, check_ranges
 
 
 class CommandError(ValueError):
     """A user error found by a command: printed as one `hf-tangent <command>: error: ...` line."""
+
+
+class Checked:
+    """Base of the option dataclasses: `RANGES` (field -> ranges.Range) is checked when an instance
+    is made, so the command line, recipes and the Python API refuse the same values."""
+
+    RANGES: ClassVar[dict[str, Range]] = {}
+
+    def __post_init__(self):
+        check_ranges(self)
 
 
 def _default_device() -> str:
@@ -39,8 +50,10 @@ class ModelArguments:
 
 
 @dataclass
-class RunArguments:
+class RunArguments(Checked):
     """Where and how a command that trains nothing runs."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"batch_size": at_least(1)}
 
     output_dir: str = field(default="runs/latest", metadata={"help": "where report.json, report.md and plots go"})
     device: str = field(default_factory=_default_device, metadata={"help": "cpu, cuda, cuda:1, ..."})
@@ -49,7 +62,9 @@ class RunArguments:
 
 
 @dataclass
-class EvalTextArguments:
+class EvalTextArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {k: TEXT_RANGES[k] for k in ("seq_len", "max_windows")}
+
     text_files: list[str] | None = field(default=None, metadata={
         "help": "local UTF-8 text files to evaluate on (default: the held-out Austen novels)"})
     dataset: str | None = field(default=None, metadata={
@@ -60,7 +75,9 @@ class EvalTextArguments:
 
 
 @dataclass
-class CalibrationTextArguments:
+class CalibrationTextArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {"train_windows": at_least(1)}
+
     calibration_files: list[str] | None = field(default=None, metadata={
         "help": "calibration / training text files (default: the Austen calibration novels; with --text-files "
                 "only, the first 80% of its documents)"})
@@ -75,19 +92,6 @@ def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArgu
 
 
 # ----------------------------------------------------------------------------- checks before work
-_MINIMUM = {"seq_len": 2, "max_windows": 1, "batch_size": 1, "train_windows": 1, "max_steps": 1,
-            "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
-            "bootstrap": 1, "calibration_windows": 1}
-
-
-def check_minimums(*groups) -> None:
-    for group in groups:
-        for name, minimum in _MINIMUM.items():
-            value = getattr(group, name, None)
-            if value is not None and value < minimum:
-                raise CommandError(f"--{name.replace('_', '-')} {value} is too small (at least {minimum}).")
-
-
 def check_device(device: str) -> None:
     try:
         parsed = torch.device(device)
@@ -123,8 +127,8 @@ def check_text_files(*groups) -> None:
 
 
 def preflight(*groups, output_dir: str | None = None, device: str | None = None) -> None:
-    """Every check that needs no model: sizes, device, output folder, text files."""
-    check_minimums(*groups)
+    """Every check that needs no model (the ranges were checked when the options were made): device,
+    output folder, text files."""
     if device is not None:
         check_device(device)
     for group in groups:
@@ -220,6 +224,8 @@ def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
         names = {f.name for f in dataclasses.fields(kind) if f.init}
         try:
             out.append(kind(**{k: v for k, v in vars(namespace).items() if k in names}))
+        except RangeError as err:
+            raise CommandError(err.as_option()) from None
         except (TypeError, ValueError) as err:
             raise CommandError(str(err)) from None
     return tuple(out)

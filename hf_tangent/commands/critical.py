@@ -4,9 +4,13 @@ types of their tangent Jacobians (docs/geometry.md; the paper's Table 2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..experiments.geometry import CRITICAL_RANGES
 from ..geometry import FIELDS
+from ..ranges import Range
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -18,7 +22,9 @@ from .arguments import (
 
 
 @dataclass
-class CriticalArguments:
+class CriticalArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = CRITICAL_RANGES
+
     layers: list[int] | None = field(default=None, metadata={"help": "layers to analyse (default all)"})
     fields: list[str] = field(default_factory=lambda: list(FIELDS), metadata={
         "help": "reduced fields: attention (OV-only), ffn (FFN-only), full (their sum)"})

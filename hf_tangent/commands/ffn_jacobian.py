@@ -4,8 +4,12 @@ activation gain and the keys/values view, next to C_l and the ablation costs (do
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..experiments.geometry import FFN_JACOBIAN_RANGES
+from ..ranges import Range
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -17,7 +21,9 @@ from .arguments import (
 
 
 @dataclass
-class FfnJacobianArguments:
+class FfnJacobianArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = FFN_JACOBIAN_RANGES
+
     layers: list[int] | None = field(default=None, metadata={"help": "layers to analyse (default all)"})
     tokens: int = field(default=16, metadata={"help": "sampled tokens per layer (one d x d Jacobian each)"})
     top_k: int = field(default=8, metadata={"help": "hidden units counted in the keys/values view"})

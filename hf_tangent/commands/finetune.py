@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..evaluation import update_variants
 from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings
+from ..ranges import Range, at_least
 from .arguments import (
     CalibrationTextArguments,
+    Checked,
     EvalTextArguments,
     ModelArguments,
     add_command,
@@ -19,7 +21,9 @@ from .arguments import (
 
 
 @dataclass
-class FinetuneArguments:
+class FinetuneArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {"lora_r": at_least(1), "lora_alpha": at_least(1)}
+
     updates: list[str] = field(default_factory=lambda: list(DEFAULT_RULES), metadata={
         "help": "update variants trained besides the unpatched model: " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})

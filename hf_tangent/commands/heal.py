@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ..evaluation import update_variants
 from ..experiments.finetune import LoraSettings
 from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments
+from ..ranges import Range, at_least
 from .arguments import (
     CalibrationTextArguments,
+    Checked,
     CommandError,
     EvalTextArguments,
     ModelArguments,
@@ -24,7 +26,9 @@ _RULES = [name for name, config in update_variants().items() if config is not No
 
 
 @dataclass
-class HealArguments:
+class HealArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = HealSettings.RANGES | {"lora_r": at_least(1), "lora_alpha": at_least(1)}
+
     update: str = field(default="projected", metadata={"help": "the update rule to heal: " + "; ".join(_RULES),
                                                         "choices": _RULES, "metavar": "NAME"})
     layers: list[int] | None = field(default=None, metadata={"help": "layers that get the rule (default: all)"})

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..experiments.analysis import PARALLEL_SWEEP_RANGES
+from ..ranges import Range
 from .arguments import CalibrationTextArguments as _Calibration
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -17,7 +21,9 @@ from .arguments import (
 
 
 @dataclass
-class SweepArguments:
+class SweepArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = PARALLEL_SWEEP_RANGES
+
     calibration_files: list[str] | None = field(default=None, metadata={
         "help": "calibration text for C_l and the greedy selection (default: the Austen calibration novels)"})
     calibration_windows: int = field(default=4, metadata={"help": "calibration windows (C_l, greedy, budget)"})

@@ -4,8 +4,12 @@ to average more tokens, for the full, tangential-only, radial-only and zero FFN 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..experiments.geometry import PRESSURE_RANGES
+from ..ranges import Range
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -19,7 +23,9 @@ VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 
 
 @dataclass
-class PressureArguments:
+class PressureArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = PRESSURE_RANGES
+
     factors: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25, 0.1, 0.0], metadata={
         "help": "attention logit-scale factors (1: the model, 0: uniform averaging = most pressure)"})
     variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={

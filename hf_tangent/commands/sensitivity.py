@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..ranges import TEXT_RANGES, Range
 from .arguments import CalibrationTextArguments as _Calibration
-from .arguments import ModelArguments, RunArguments, add_command, dataclasses_of, preflight, text_source
+from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight, text_source
 
 
 @dataclass
-class SensitivityArguments:
+class SensitivityArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {k: TEXT_RANGES[k] for k in ("seq_len", "max_windows")}
+
     calibration_files: list[str] | None = field(default=None, metadata={
         "help": "calibration text files (default: the Austen calibration novels)"})
     seq_len: int = field(default=512, metadata={"help": "tokens per window"})

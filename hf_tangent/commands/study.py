@@ -5,9 +5,11 @@ Models are built from scratch and seeded by --seeds, so the study has no --model
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from ..ranges import Range, at_least
 from ..studies import ARCHS, SCALES, STUDIES
-from .arguments import CommandError, add_command, dataclasses_of, preflight
+from .arguments import Checked, CommandError, add_command, dataclasses_of, preflight
 
 
 @dataclass
@@ -27,7 +29,9 @@ class StudyArguments:
 
 
 @dataclass
-class StudyBudget:
+class StudyBudget(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {k: at_least(1) for k in ("max_steps", "eval_every", "train_windows", "batch_size", "max_windows")} | {"seq_len": at_least(2), "learning_rate": Range(0, open_low=True)}
+
     """Overrides of the scale's budget (default: the scale's)."""
 
     max_steps: int | None = field(default=None, metadata={"help": "optimizer steps per run"})

@@ -14,10 +14,14 @@ from ..diagnostics import QUANTITIES, diagnose
 from ..evaluation import update_variants
 from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
 from ..patching import patch
+from ..ranges import at_least, check_values
 from ..registry import architecture, decoder_layers
 from ..reports import Report
 from ..timing import interleaved_ratio
-from .common import Clock, environment, progress_bar, resolve_model, windows
+from .common import Clock, entry_point, environment, progress_bar, refuse_patched, resolve_model, windows
+
+ABLATE_RANGES = {"bootstrap": at_least(1)}
+PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1)}
 
 
 def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *, calibration=False):
@@ -28,6 +32,7 @@ def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *,
     return model, tokenizer, name, text, windows(model, tokenizer, docs, seq_len, max_windows), env
 
 
+@entry_point(patched_model="refused")
 def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS, layerwise: bool = False,
            bootstrap: int = 2000, seq_len: int = 512, max_windows: int = 8, batch_size: int = 1,
            dtype: str = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
@@ -42,8 +47,7 @@ def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS,
         dtype, device, seed: for a model loaded by name; progress: show a progress bar.
         variants: ablations (ablation.VARIANTS); layerwise: also one layer at a time.
     """
-    if not isinstance(bootstrap, int) or bootstrap < 1:
-        raise ValueError(f"bootstrap={bootstrap!r}: the number of bootstrap resamples must be an integer >= 1.")
+    check_values(ABLATE_RANGES, bootstrap=bootstrap)
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     clock = Clock()
     total = forward_passes(len(held_out), variants, layerwise, len(decoder_layers(model)))
@@ -54,6 +58,7 @@ def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS,
                              "seconds": clock.seconds, **env, **result})
 
 
+@entry_point(patched_model="as is")
 def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = None, layers: list[int] | None = None,
                     seq_len: int = 512, max_windows: int = 8, batch_size: int = 1, dtype: str = "float32",
                     device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
@@ -72,6 +77,7 @@ def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = No
         raise ValueError(f"unknown update variant {update!r}; accepted: {', '.join(variants)}.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     if update and variants[update] is not None:
+        refuse_patched(model, "diagnose_layers")  # update= patches the unpatched model (undone on return)
         patch(model, variants[update])
     clock = Clock()
     with progress_bar(progress, len(held_out), "hf-tangent diagnose") as bar:
@@ -81,6 +87,7 @@ def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = No
                                "definitions": QUANTITIES, "seconds": clock.seconds, **env, "layers": records})
 
 
+@entry_point(patched_model="refused")
 def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, max_windows: int = 8,
                       batch_size: int = 1, dtype: str = "float32", device: str | None = None, seed: int = 0,
                       progress: bool = True) -> Report:
@@ -102,6 +109,7 @@ def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, m
                                   "text": text.describe_calibration(), "seconds": clock.seconds, **env, **result})
 
 
+@entry_point(patched_model="refused")
 def parallel_sweep(model, tokenizer=None, *, text=None, calibration_windows: int = 4, ks: list[int] | None = None,
                    random_seeds: list[int] = (0, 1, 2), greedy: bool = True, greedy_max_k: int | None = None,
                    budget: float = 0.02, speed: bool = True, seq_len: int = 512, max_windows: int = 8,
@@ -121,6 +129,7 @@ def parallel_sweep(model, tokenizer=None, *, text=None, calibration_windows: int
         greedy, greedy_max_k: the loss-aware order, up to greedy_max_k layers.
         budget: nats/token for the recommendation; speed: also measure its speed.
     """
+    check_values(PARALLEL_SWEEP_RANGES, calibration_windows=calibration_windows, ks=ks, greedy_max_k=greedy_max_k)
     model, tokenizer, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     calibration = windows(model, tokenizer, text.calibration_only_documents(), seq_len, calibration_windows)
     clock = Clock()

@@ -22,7 +22,7 @@ from ..training import (
     train,
     training_summary,
 )
-from .common import Clock, environment, progress_bar, resolve_model, windows
+from .common import Clock, environment, progress_bar, refuse_patched, resolve_model, windows
 
 
 def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
@@ -47,6 +47,7 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
     args = training_args or TangentTrainingArguments()
     text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
+    refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
     tangent.resolve_layers(len(decoder_layers(model)))
     held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     train_set = windows(model, tokenizer, text.training_documents(), seq_len, train_windows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import time
 from contextlib import contextmanager
@@ -10,6 +11,8 @@ import torch
 
 from .._version import __version__
 from ..data import pack_windows
+from ..patching import get_config, preserved, require_model
+from ..ranges import TEXT_RANGES, check_values
 
 
 def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "float32", device: str | None = None,
@@ -29,13 +32,54 @@ def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "f
     return model, tokenizer, str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
 
 
+def refuse_patched(model, function: str) -> None:
+    config = get_config(model)
+    if config is not None:
+        raise ValueError(f"hf_tangent.{function} works on the unpatched model, and this model is patched "
+                         f"(update={config.update!r}); pass the unpatched model: hf_tangent.unpatch(model), or "
+                         f"call it inside `with hf_tangent.disabled(model):`.")
+
+
+def entry_point(*, patched_model: str):
+    """The one way an experiment treats a model object it is given (a name is loaded afresh):
+    `patched_model="refused"`: a patched model is refused with an error that says what to pass (the
+    experiment is defined on the unpatched model); `"as is"`: it is analysed as it is. Inside, the
+    experiment may patch, convert or unpatch the model to compare rules: on return (or an exception)
+    the caller's model has the very same patch as before (gates, lambda), and every module its own
+    training flag (patching.preserved). Experiments that train the model they are given
+    (calibrate_gates) document it and do not use this."""
+    if patched_model not in ("refused", "as is"):
+        raise ValueError(f"patched_model={patched_model!r}; accepted: 'refused', 'as is'.")
+
+    def wrap(function):
+        @functools.wraps(function)
+        def run(model, *args, **kwargs):
+            if isinstance(model, str):
+                return function(model, *args, **kwargs)
+            base = require_model(model, function.__name__)
+            if patched_model == "refused":
+                refuse_patched(base, function.__name__)
+            flags = [(module, module.training) for module in base.modules()]
+            try:
+                with preserved(base):
+                    return function(model, *args, **kwargs)
+            finally:
+                for module, training in flags:
+                    module.training = training
+
+        return run
+
+    return wrap
+
+
 def context_length(model) -> int | None:
     config = model.config
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def windows(model, tokenizer, documents: list[str], seq_len: int, max_windows: int | None):
-    """Token windows (n, seq_len), checked against the model's context."""
+    """Token windows (n, seq_len), checked against their ranges and the model's context."""
+    check_values(TEXT_RANGES, seq_len=seq_len, max_windows=max_windows)
     context = context_length(model)
     if context and seq_len > context:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens.")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity, update_variants
-from ..patching import disabled, get_config
+from ..patching import get_config, without_patch
 from ..reports import Report
-from .common import Clock, environment, progress_bar, resolve_model, windows
+from .common import Clock, entry_point, environment, progress_bar, resolve_model, windows
 
 
+@entry_point(patched_model="as is")
 def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None = None, seq_len: int = 512,
                    max_windows: int = 8, batch_size: int = 1, dtype: str = "float32", device: str | None = None,
                    seed: int = 0, progress: bool = True) -> Report:
@@ -36,7 +37,7 @@ def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None 
             result = perplexity(model, held_out, batch_size=batch_size, progress=bar)
             saved_row = {"variant": "saved patch (as loaded)", "config": loaded.to_dict(), "nll": result["nll"],
                          "perplexity": result["perplexity"], "tokens": result["tokens"]}
-        with disabled(model):
+        with without_patch(model):
             rows = evaluate_variants(model, held_out, names, batch_size=batch_size, progress=bar)
     if saved_row is not None:
         saved_row["delta_nll"] = saved_row["nll"] - rows[0]["nll"]

@@ -16,7 +16,7 @@ from ..patching import patch
 from ..reports import Report
 from ..stats import paired_summary
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
-from .common import Clock, environment, resolve_model, windows
+from .common import Clock, entry_point, environment, resolve_model, windows
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
 
@@ -75,6 +75,7 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
             "final_train_loss": curve[-1][1] if curve else None, "loss_curve": curve}
 
 
+@entry_point(patched_model="refused")
 def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
              method: str = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,
              train_windows: int = 64, training_args: TangentTrainingArguments | None = None,

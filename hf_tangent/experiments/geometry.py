@@ -23,13 +23,18 @@ from ..geometry import (
     pressure_diversity,
 )
 from ..parallel import sensitivity
+from ..ranges import Range, at_least, check_values
 from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import spearman
 from .analysis import _setup
-from .common import Clock, progress_bar
+from .common import Clock, entry_point, progress_bar
 
 PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
+CRITICAL_RANGES = {"random_starts": at_least(0), "token_starts": at_least(0), "steps": at_least(1),
+                   "threshold": Range(0, 1, open_low=True), "rel_tol": Range(0, 1, open_high=True)}
+PRESSURE_RANGES = {"factors": Range(0)}
+FFN_JACOBIAN_RANGES = {"tokens": at_least(1), "top_k": at_least(1)}
 
 
 def _layers(model, layers):
@@ -41,6 +46,7 @@ def _layers(model, layers):
     return chosen
 
 
+@entry_point(patched_model="refused")
 def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = None, fields: list[str] = FIELDS,
              random_starts: int = 32, token_starts: int = 32, steps: int = 300, threshold: float = 0.05,
              rel_tol: float = 1e-2, seq_len: int = 256, max_windows: int = 2, dtype: str = "float32",
@@ -59,6 +65,8 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown fields {bad}; accepted: {', '.join(FIELDS)}.")
+    check_values(CRITICAL_RANGES, random_starts=random_starts, token_starts=token_starts, steps=steps,
+                 threshold=threshold, rel_tol=rel_tol)
     if min(random_starts, token_starts) < 0 or random_starts + token_starts == 0:
         raise ValueError(f"random_starts={random_starts}, token_starts={token_starts}: need >= 0 each, > 0 together.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
@@ -103,6 +111,7 @@ def spectrum_sample(eigenvalues: list[list[float]], n: int = 96) -> list[list[fl
     return [[round(a, 5), round(b, 5)] for a, b in ordered]
 
 
+@entry_point(patched_model="refused")
 def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
              variants: list[str] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
              max_windows: int = 4, dtype: str = "float32", device: str | None = None, seed: int = 0,
@@ -119,9 +128,9 @@ def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0
     bad = [v for v in variants if v not in ABLATIONS or v == "attention_zero"]
     if bad or not variants:
         raise ValueError(f"FFN variants {bad or variants}; accepted: {', '.join(PRESSURE_VARIANTS)}.")
-    bad = [f for f in factors if isinstance(f, bool) or not isinstance(f, (int, float)) or f < 0]
-    if bad or not factors:
-        raise ValueError(f"pressure factors {bad or factors}; accepted: numbers >= 0 (1: the model's own scale).")
+    if not factors:
+        raise ValueError("pressure factors []; accepted: numbers >= 0 (1: the model's own scale).")
+    check_values(PRESSURE_RANGES, factors=list(factors))
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     chosen = _layers(model, layers)
     clock = Clock()
@@ -148,6 +157,7 @@ def pressure_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+@entry_point(patched_model="refused")
 def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None = None, tokens: int = 16,
                  top_k: int = 8, ablation_report: str | None = None, seq_len: int = 256, max_windows: int = 2,
                  dtype: str = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
@@ -162,8 +172,7 @@ def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None =
         layers: which (None = all); tokens: sampled FFN inputs per layer; top_k: hidden units counted
         in the keys/values view; ablation_report: path of an `ablate --layerwise` report.json.
     """
-    if tokens < 1 or top_k < 1:
-        raise ValueError(f"tokens={tokens}, top_k={top_k}: both must be >= 1.")
+    check_values(FFN_JACOBIAN_RANGES, tokens=tokens, top_k=top_k)
     costs = _ablation_costs(ablation_report) if ablation_report else {}
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     chosen = _layers(model, layers)

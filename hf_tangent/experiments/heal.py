@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import gc
 import os
+from typing import ClassVar
 
 import torch
 
@@ -15,11 +16,13 @@ from ..data import TextSource
 from ..evaluation import perplexity
 from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
-from ..patching import get_config, get_homotopy, patch
+from ..patching import HOMOTOPY_SCHEDULES, get_homotopy, patch
+from ..ranges import Range, at_least, check_ranges
+from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import paired_permutation_test
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
-from .common import Clock, environment, resolve_model, windows
+from .common import Clock, entry_point, environment, refuse_patched, resolve_model, windows
 from .finetune import LoraSettings
 
 SAMPLE_PROMPT = "It is a truth universally acknowledged, that"
@@ -40,6 +43,9 @@ class HealSettings:
     the homotopy (lambda 0 -> 1 over `homotopy_fraction` of the steps; 0: the target from step 0),
     all layers at once or progressively in `stages` groups (heal.HomotopyCallback)."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"temperature": Range(0, open_low=True), "lm_weight": Range(0, 1),
+                                          "homotopy_fraction": Range(0, 1), "stages": at_least(1)}
+
     method: str = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full" (a frozen copy)
     temperature: float = 1.0
     lm_weight: float = 0.0
@@ -50,10 +56,27 @@ class HealSettings:
     def __post_init__(self):
         if self.method not in ("lora", "full"):
             raise ValueError(f"method={self.method!r}; accepted: 'lora', 'full'.")
-        if not 0.0 <= self.homotopy_fraction <= 1.0:
-            raise ValueError(f"homotopy_fraction={self.homotopy_fraction!r}; accepted: a number in [0, 1].")
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
-            raise ValueError(f"stages={self.stages!r}; accepted: an integer >= 1 (1: all layers at once).")
+        if self.schedule not in HOMOTOPY_SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
+        check_ranges(self)
+        if self.stages > 1 and self.homotopy_fraction == 0:
+            raise ValueError(f"stages={self.stages} with homotopy_fraction=0: the stages divide the homotopy's steps, and "
+                             "there are none; accepted: homotopy_fraction > 0 with stages > 1, or stages=1.")
+
+
+def _check_schedule(settings: HealSettings, tangent: TangentConfig, args, num_layers: int) -> None:
+    """A progressive homotopy needs a layer group and at least one homotopy step per stage: refused
+    before any work, so that no report describes a schedule that could not have run."""
+    if settings.stages == 1:
+        return
+    layers = sorted(set(tangent.resolve_layers(num_layers)) | set(tangent.resolve_parallel_layers(num_layers)))
+    steps = round(settings.homotopy_fraction * args.max_steps)
+    if settings.stages > len(layers):
+        raise ValueError(f"stages={settings.stages} > the {len(layers)} patched layers; accepted: at most {len(layers)}.")
+    if steps < settings.stages:
+        raise ValueError(f"stages={settings.stages} needs at least {settings.stages} homotopy steps, and "
+                         f"homotopy_fraction {settings.homotopy_fraction} of max_steps {args.max_steps} gives {steps}; "
+                         "accepted: more steps, a larger homotopy_fraction or fewer stages.")
 
 
 def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -111,6 +134,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
             "homotopy": final if not isinstance(final, dict) else {str(i): v for i, v in final.items()}}
 
 
+@entry_point(patched_model="refused")
 def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,
          lora: LoraSettings | None = None, seeds: list[int] = (0,), seq_len: int = 256, max_windows: int = 8,
          train_windows: int = 64, training_args: TangentTrainingArguments | None = None, dtype: str = "float32",
@@ -132,8 +156,8 @@ def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: 
     args = training_args or HealTrainingArguments()
     text = TextSource.of(text)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
-    if get_config(first) is not None:
-        raise ValueError("heal: pass the unpatched model and the TangentConfig to heal (this model is already patched).")
+    refuse_patched(first, "heal")  # a saved patched folder, loaded by name
+    _check_schedule(settings, tangent, args, len(decoder_layers(first)))
     held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
     clock = Clock()
