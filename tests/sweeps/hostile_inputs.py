@@ -423,6 +423,171 @@ def cli_cases(tmp: Path, model_folder: Path):
             record("cli", case, "unclear", last)
 
 
+# ----------------------------------------------------------------------------- surfaces added in round 3
+def patched_tiny(**fields):
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True, **fields))
+    with torch.no_grad():
+        ht.tangent_layers(model)[0].gate.fill_(0.75)
+    return model
+
+
+def homotopy_cases():
+    model = patched_tiny()
+    for value, message in [(1.5, "accepted: a number in [0, 1]"), (-0.1, "accepted: a number in [0, 1]"),
+                           (float("nan"), "accepted: a number in [0, 1]"), ("0.5", "accepted: a number in [0, 1]"),
+                           (True, "accepted: a number in [0, 1]"), ({0: 0.5}, "accepted: exactly the patched layers"),
+                           ({0: 0.5, 1: 0.5, 2: 2.0}, "accepted: layer index -> number in [0, 1]"),
+                           ({"x": 0.5, 1: 0.5, 2: 0.5}, "accepted: layer index -> number in [0, 1]")]:
+        expect_error("homotopy", f"lambda {value!r}", lambda v=value: ht.set_homotopy(model, v), message, model)
+    expect_error("homotopy", "schedule 'cubic'", lambda: ht.set_homotopy(model, 0.5, schedule="cubic"),
+                 "accepted: linear, cosine", model)
+    expect_error("homotopy", "steps -1", lambda: ht.set_homotopy(model, 0.5, steps=-1), "accepted: an integer >= 0", model)
+    expect_error("homotopy", "unpatched model", lambda: ht.set_homotopy(make_tiny("llama"), 0.5), "not patched")
+    expect_ok("homotopy", "get_homotopy of an unpatched model is None", lambda: ht.get_homotopy(make_tiny("llama")) is None)
+
+    def endpoints():
+        plain = make_tiny("llama")
+        reference = logits(plain)
+        m = ht.set_homotopy(ht.patch(plain, ht.TangentConfig(update="retract", p=2.0)), 0.0)
+        return torch.equal(logits(m), reference)
+
+    expect_ok("homotopy", "lambda 0 is bit-identical to the unpatched model", endpoints)
+
+
+def disabled_cases():
+    model = patched_tiny()
+    for name, call, message in [
+        ("patch inside disabled", lambda: ht.patch(model, ht.TangentConfig(update="zero")), "inside `with hf_tangent.disabled"),
+        ("unpatch inside disabled", lambda: ht.unpatch(model), "inside `with hf_tangent.disabled"),
+        ("update_config inside disabled", lambda: ht.update_config(model, alpha=0.5), "inside `with hf_tangent.disabled"),
+        ("set_homotopy inside disabled", lambda: ht.set_homotopy(model, 0.5), "inside `with hf_tangent.disabled"),
+    ]:
+        before = fingerprint(model)
+        with ht.disabled(model):
+            expect_error("disabled", name, call, message)
+        record("disabled", f"{name}: the patch after the block", "ok" if same(before, fingerprint(model)) else "half-patched")
+    expect_error("disabled", "disabled(None)", lambda: ht.disabled(None).__enter__(), "expects a transformers model")
+
+    def exception_inside():
+        before = fingerprint(model)
+        with contextlib.suppress(RuntimeError), ht.disabled(model):
+            raise RuntimeError("boom")
+        return same(before, fingerprint(model))
+
+    expect_ok("disabled", "an exception inside the block", exception_inside)
+
+
+def update_config_cases():
+    for value in (0.4, {0: 0.2, 1: 0.9, 2: 0.4}):
+        def keeps_lambda(value=value):
+            model = ht.set_homotopy(patched_tiny(), value)
+            ht.update_config(model, alpha=0.9)
+            reference = ht.set_homotopy(ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True,
+                                                                                      alpha=0.9)), value)
+            with torch.no_grad():
+                ht.tangent_layers(reference)[0].gate.fill_(0.75)
+            return ht.get_homotopy(model) == value and torch.equal(logits(model), logits(reference))
+
+        expect_ok("update_config", f"lambda {value} kept across update_config", keeps_lambda)
+    model = ht.set_homotopy(patched_tiny(), {0: 0.2, 1: 0.9, 2: 0.4})
+    expect_error("update_config", "per-layer lambda and new layers", lambda: ht.update_config(model, layers=[0]),
+                 "per-layer homotopy lambda", model)
+    expect_error("update_config", "unknown field", lambda: ht.update_config(model, betta=0.5), "unknown TangentConfig fields",
+                 model)
+    expect_error("update_config", "invalid value", lambda: ht.update_config(model, p=-1.0), "TangentConfig.p", model)
+    expect_error("update_config", "a non-model", lambda: ht.update_config(torch.nn.Linear(2, 2), alpha=0.5),
+                 "expects a transformers model")
+
+
+def register_cases():
+    names = dict(layers="model.layers", input_norm=None, attention=None, ffn_norm="post_attention_layernorm", mlp="mlp")
+    for field, value in [("model_type", 123), ("model_type", ""), ("layers", None), ("ffn_norm", 3), ("mlp", ["mlp"]),
+                         ("parallel", "yes"), ("fused_ffn_in", "mlp.up_proj"), ("source", "guessed")]:
+        fields = {"model_type": "hostile_type", **names, field: value}
+        expect_error("register", f"{field}={value!r}", lambda f=fields: ht.register_architecture(**f),
+                     f"ArchitectureSpec.{field}")
+    expect_error("register", "unknown field", lambda: ht.register_architecture(model_type="hostile_type", bogus=1, **names),
+                 "unknown fields ['bogus']")
+    expect_error("register", "a dict as spec", lambda: ht.register_architecture({"model_type": "x"}), "expects an ArchitectureSpec")
+    expect_error("register", "an existing type", lambda: ht.register_architecture(model_type="llama", **names),
+                 "already registered")
+    expect_ok("register", "the registry still lists its types", lambda: "llama" in ht.supported_model_types()
+              and "hostile_type" not in ht.supported_model_types())
+
+
+def describe_cases():
+    for name, value in [("None", None), ("a Linear", torch.nn.Linear(2, 2)), ("a string", "gpt2")]:
+        expect_error("describe", f"describe({name})", lambda v=value: ht.describe(v), "expects a transformers model")
+        expect_error("describe", f"unpatch({name})", lambda v=value: ht.unpatch(v), "expects a transformers model")
+        expect_error("describe", f"get_config({name})", lambda v=value: ht.get_config(v), "expects a transformers model")
+    expect_ok("describe", "describe a patched model", lambda: "verified" in ht.describe(patched_tiny()))
+
+
+def analysis_cases(tmp: Path, folder: Path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = ht.TextSource(text_files=(str(AUSTEN / "emma.txt"),), calibration_files=(str(AUSTEN / "prideprejudice.txt"),))
+    small = dict(tokenizer=tokenizer, text=text, seq_len=16, max_windows=1, progress=False)
+
+    def patched_folder_model():
+        model = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
+        return ht.set_homotopy(model, 0.4)
+
+    for name, kwargs in [("pressure", dict(factors=[0.5], variants=["full"])), ("critical", dict(
+            layers=[0], fields=["attention"], random_starts=2, token_starts=0, steps=2)), ("ffn_jacobian", dict(
+            layers=[0], tokens=2)), ("ablate", dict(variants=["full", "zero_ffn"], bootstrap=10)),
+            ("layer_sensitivity", {})]:
+        model = patched_folder_model()
+        expect_error("analysis", f"{name} on a patched model", lambda n=name, m=model, k=kwargs: getattr(ht, n)(m, **small, **k),
+                     "works on the unpatched model", model)
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    for name, kwargs, message in [
+        ("critical", dict(threshold=0.0), "threshold=0.0 is out of range"),
+        ("critical", dict(threshold=-0.1), "threshold=-0.1 is out of range"),
+        ("critical", dict(rel_tol=-1.0), "rel_tol=-1.0 is out of range"),
+        ("critical", dict(steps=0), "steps=0 is out of range"),
+        ("pressure", dict(factors=[-1.0]), "factors=[-1.0] is out of range"),
+        ("ffn_jacobian", dict(tokens=0), "tokens=0 is out of range"),
+        ("ablate", dict(bootstrap=0), "bootstrap=0 is out of range"),
+        ("parallel_sweep", dict(calibration_windows=0), "calibration_windows=0 is out of range"),
+        ("evaluate_rules", dict(seq_len=1), "seq_len=1 is out of range"),
+    ]:
+        expect_error("analysis", f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})",
+                     lambda n=name, k=kwargs: getattr(ht, n)(model, **(small | k)), message, model)
+
+    def diagnose_leaves_it_unpatched():
+        m = LlamaForCausalLM.from_pretrained(folder).eval()
+        before = fingerprint(m)
+        ht.diagnose_layers(m, update="projected", **small)
+        return same(before, fingerprint(m))
+
+    expect_ok("analysis", "diagnose --update on an unpatched model leaves it unpatched", diagnose_leaves_it_unpatched)
+
+
+def heal_cases(tmp: Path, folder: Path):
+    from hf_tangent.experiments.heal import HealSettings, HealTrainingArguments
+
+    for fields, message in [(dict(stages=2, homotopy_fraction=0.0), "stages=2 with homotopy_fraction=0"),
+                            (dict(stages=0), "stages=0 is out of range"), (dict(temperature=0.0), "temperature=0.0 is out"),
+                            (dict(lm_weight=1.5), "lm_weight=1.5 is out of range"), (dict(method="qlora"), "accepted: 'lora', 'full'"),
+                            (dict(homotopy_fraction=-0.5), "homotopy_fraction=-0.5 is out of range"),
+                            (dict(schedule="cubic"), "accepted: linear, cosine")]:
+        expect_error("heal", f"HealSettings({fields})", lambda f=fields: HealSettings(**f), message)
+    args = HealTrainingArguments(output_dir=str(tmp / "heal"), max_steps=2, use_cpu=True)
+    text = ht.TextSource(text_files=(str(AUSTEN / "emma.txt"),), calibration_files=(str(AUSTEN / "prideprejudice.txt"),))
+    expect_error("heal", "more stages than patched layers", lambda: ht.heal(
+        str(folder), ht.TangentConfig(update="projected", layers=[0]), text=text, settings=HealSettings(stages=2),
+        seq_len=16, max_windows=1, train_windows=1, training_args=args), "stages=2 > the 1 patched layers")
+    expect_error("heal", "fewer homotopy steps than stages", lambda: ht.heal(
+        str(folder), ht.TangentConfig(update="projected"), text=text, settings=HealSettings(stages=2, homotopy_fraction=0.5),
+        seq_len=16, max_windows=1, train_windows=1, training_args=args), "needs at least 2 homotopy steps")
+    expect_error("heal", "a dict as the patch", lambda: ht.heal(str(folder), {"update": "projected"}),
+                 "expects a TangentConfig")
+    expect_ok("heal", "ht.heal is callable twice", lambda: callable(ht.heal) and callable(ht.heal)
+              and not isinstance(ht.heal, type(ht)))
+
+
 def tiny_model_folder(tmp: Path) -> Path:
     """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -445,6 +610,13 @@ GROUPS = {
     "behaviour": lambda tmp, folder: behaviour_cases(),
     "reload": lambda tmp, folder: reload_cases(tmp),
     "cli": lambda tmp, folder: cli_cases(tmp, folder),
+    "homotopy": lambda tmp, folder: homotopy_cases(),
+    "disabled": lambda tmp, folder: disabled_cases(),
+    "update_config": lambda tmp, folder: update_config_cases(),
+    "register": lambda tmp, folder: register_cases(),
+    "describe": lambda tmp, folder: describe_cases(),
+    "analysis": analysis_cases,
+    "heal": heal_cases,
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
 PASSING = ("ok", "clear")
