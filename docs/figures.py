@@ -355,6 +355,116 @@ def eval_table(path: str) -> str:
                          for row in r["rows"]])
 
 
+# ----------------------------------------------------------------------------- residual geometry
+PAPER_TABLE_2 = {  # the paper's Table 2 (arXiv 2608.02071), Pythia-1.4B saddle share, and all models' saddles / total
+    "attention": ("55.6%", None), "ffn": ("91.3%", "118/140"), "full": ("93.6%", "116/140")}
+
+
+def _critical_row(t: dict, refined: bool) -> list:
+    n = t["roots"] if "roots" in t else t.get("candidates", 0)
+    pct = lambda k: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
+    return [n, pct("attractor"), pct("saddle"), pct("repeller"), "-" if t.get("mean_unstable_share") is None
+            else f"{t['mean_unstable_share']:.2f}"]
+
+
+def results_critical() -> str:
+    names = {"attention": "OV-only `P_u F_A`", "ffn": "FFN-only `P_u Phi(N_2(u))`", "full": "full (additive)"}
+    out = []
+    for model, folder in (("SmolLM2-135M", "geometry/critical"), ("Gemma-3-270M", "geometry/gemma3_critical")):
+        refined, paper = report(f"{folder}/report.json"), report(f"{folder}_paper/report.json")
+        layers = len(refined["layers"])
+        rows = []
+        for f in refined["fields"]:
+            t, p = refined["totals"][f], paper["totals"][f]
+            path = "exact (M)" if all(r["fields"][f]["path"].startswith("exact") for r in refined["layers"]) else \
+                f"search: {t['converged']} of {t['refined']} refined converged"
+            rows.append([names[f], path, *_critical_row(t, True), f"{p['converged']}: {_critical_row(p, False)[2]}",
+                         PAPER_TABLE_2[f][0]])
+        out.append(f"**{model}** ({layers} layers, {refined['random_starts']} random + {refined['token_starts']} token "
+                   f"starts per layer and field, {minutes(refined['seconds'])} refined / {minutes(paper['seconds'])} paper "
+                   f"protocol; [refined]({folder}/report.md), [paper protocol]({folder}_paper/report.md)):\n\n"
+                   + table(["field", "roots found by", "roots", "attractor", "saddle", "repeller",
+                            "mean unstable share", "paper protocol: converged starts: saddles", "paper, Pythia-1.4B saddles"],
+                           rows, "---|---|---:|---:|---:|---:|---:|---|---:"))
+    return "\n".join(out)
+
+
+def results_critical_structure() -> str:
+    r = report("geometry/critical/report.json")
+    s = [x["ov_structure"] for x in r["layers"] if x.get("ov_structure")]
+    common = [x["common"] for x in r["layers"] if x.get("common")]
+    best = min(c["best_ffn_score_at_ov_roots"] for c in common if c.get("best_ffn_score_at_ov_roots") is not None)
+    kernel = {x["kernel_dimension"] for x in s}
+    rank = {x["rank"] for x in s}
+    share = sorted(k / (x["dimension"] - 1) for x in s for k in [x["kernel_dimension"]])
+    return (f"The OV map of every SmolLM2 layer has rank {'/'.join(map(str, sorted(rank)))} of {s[0]['dimension']} "
+            f"(GQA: the value projection is {min(rank)} wide), so its kernel (dimension "
+            f"{'/'.join(map(str, sorted(kernel)))}) is a degenerate set where F_A = 0, and at every isolated OV root "
+            f"{share[0]:.2f} of the tangent eigenvalues equal -rho exactly: the unstable share is forced below "
+            f"{1 - share[0]:.2f} for rho > 0 and above {share[0]:.2f} for rho < 0, and the saddle majority is what a "
+            f"linear field with {min(x['real_eigenvalues'] for x in s)}+ real eigenvalues must have (at most one "
+            "attractor and one repeller line). Common critical directions of F_A and F_Phi, where the paper's law "
+            f"lambda = lambda_A + lambda_Phi could be tested: {sum(c['common'] for c in common)}; the FFN's smallest zero "
+            f"score at an OV root is {best:.3f} (a common direction would have 0), so the law is not testable here.\n")
+
+
+def results_pressure() -> str:
+    r = report("geometry/pressure/report.json")
+    summary = {(x["factor"], x["variant"]): x for x in r["summary"]}
+    variants = r["variants"]
+    d_table = table(["factor", *variants], [[f"{f:g}", *(f"{summary[f, v]['after_attention']:.3f} / "
+                                                        f"{summary[f, v]['output']:.3f}" for v in variants)]
+                                           for f in r["factors"]], "---:|" + "---|" * len(variants))
+
+    def lifts(f, v):
+        rows = [x for x in r["rows"] if x["factor"] == f and x["variant"] == v]
+        values = [x["after_ffn"] - x["after_attention"] for x in rows]
+        return f"{sum(v > 0 for v in values)}/{len(values)}, {signed(sum(values) / len(values), 3)}"
+
+    lift_table = table(["factor", *[v for v in variants if v != "zero_ffn"]],
+                       [[f"{f:g}", *(lifts(f, v) for v in variants if v != "zero_ffn")] for f in r["factors"]],
+                       "---:|" + "---|" * (len(variants) - 1))
+    return (f"`hf-tangent pressure --seq_len {r['seq_len']} --max_windows {r['windows']}` (attention logit scale x factor,"
+            f" 0 = uniform causal averaging; {round(r['seconds'])} s). [report](geometry/pressure/report.md), [curves]"
+            "(geometry/pressure/pressure_curves.png). Mean over layers of D after attention / D at the output:\n\n"
+            + d_table + "\nPer block — the evidence for the paper's claim (iii) that the FFN restores diversity —: layers "
+            "whose FFN raises D (D after the FFN minus D after attention > 0), and the mean lift, per factor:\n\n"
+            + lift_table)
+
+
+def results_ffn_jacobian() -> str:
+    r = report("geometry/ffn_jacobian/report.json")
+    rows, rho = r["layers"], r["spearman"]
+    norms = [x["spectral_norm"] for x in rows]
+    ratio = [x["spectral_norm"] / x["output_norm"] for x in rows]
+    ranks = [x["effective_rank"] for x in rows]
+    radial = [x["radial_fraction"] for x in rows]
+    transition = [x["gain"]["transition"] for x in rows]
+    off, linear = [x["gain"]["off"] for x in rows], [x["gain"]["linear"] for x in rows]
+    shares = [x["top_share"] for x in rows]
+    top = sorted(rows, key=lambda x: -x["top_share"])[:3]
+    return (f"`hf-tangent ffn-jacobian --tokens {r['tokens']} --seq_len {r['seq_len']} --max_windows {r['windows']} "
+            f"--ablation_report ablation_smollm2.json` ({round(r['seconds'])} s). [report](geometry/ffn_jacobian/report.md), "
+            "[gain histograms](geometry/ffn_jacobian/gain_histograms.png)\n\n"
+            f"- `J = r P_u DPhi P_u` (response per radian of rotation): spectral norm {min(norms):.0f} to {max(norms):.3g} "
+            f"across layers, {min(ratio):.1f}-{max(ratio):.1f} times the FFN output norm; effective rank "
+            f"{min(ranks[:-1]):.0f}-{max(ranks[:-1]):.0f} of {r.get('dimension', 575)} except the last layer "
+            f"({ranks[-1]:.0f}); radial fraction of the response {min(radial):.3f}-{max(radial):.3f} — the FFN's response "
+            "to a rotation is almost entirely tangential.\n"
+            f"- SiLU gain at the gate pre-activations: the transition regime dominates ({100 * min(transition):.0f}-"
+            f"{100 * max(transition):.0f}% of units, mean {100 * sum(transition) / len(transition):.0f}%); off "
+            f"{100 * min(off):.1f}-{100 * max(off):.1f}%, linear {100 * min(linear):.1f}-{100 * max(linear):.1f}%.\n"
+            f"- Keys/values: the top-{r['top_k']} hidden units carry {100 * min(shares):.0f}-{100 * max(shares):.0f}% of a "
+            f"token's tangential update (most concentrated in layers {', '.join(str(x['layer']) for x in top)}).\n"
+            f"- Spearman across {len(rows)} layers against C_l: spectral norm {signed(rho['spectral_norm']['c_l'], 2)}, "
+            f"gain off {signed(rho['gain_off']['c_l'], 2)}, gain linear {signed(rho['gain_linear']['c_l'], 2)}, top-"
+            f"{r['top_k']} share {signed(rho['top_share']['c_l'], 2)}; the cost of removing the radial part "
+            f"(`tangential_only` ablation) against the radial fraction {signed(rho['radial_fraction']['ablation_tangential_only'], 2)}"
+            f" and the linear-gain share {signed(rho['gain_linear']['ablation_tangential_only'], 2)}; the cost of removing"
+            f" the tangential part against the top-{r['top_k']} share {signed(rho['top_share']['ablation_radial_only'], 2)}"
+            ". With n = 30, |rho| > 0.36 is p < 0.05 (two-sided).\n")
+
+
 # ----------------------------------------------------------------------------- docs/performance.md
 CPU_RUNS = ["cpu.json", "cpu_memory.json", "cpu_compile.json", "cpu_generate_rerun.json"]  # later files win
 
@@ -413,6 +523,10 @@ REGIONS = {
     "results-heal-findings": results_heal_findings,
     "results-diagnostics": results_diagnostics,
     "results-parallel": results_parallel,
+    "results-critical": results_critical,
+    "results-critical-structure": results_critical_structure,
+    "results-pressure": results_pressure,
+    "results-ffn-jacobian": results_ffn_jacobian,
 }
 
 # Numbers outside the regions that are not measurements: settings, thresholds, formulas, paper values.

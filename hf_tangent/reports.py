@@ -17,7 +17,6 @@ from pathlib import Path
 from . import plots
 from .verdicts import summarize, verdict, verdict_outcome
 
-
 # Published values the pages quote beside ours (not measured here)
 PAPER_MEAN_GATES = "GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009"
 
@@ -30,6 +29,7 @@ class Report:
 
     kind: str
     data: dict
+    tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
 
     def __post_init__(self):
         if self.kind not in MARKDOWN:
@@ -54,6 +54,10 @@ class Report:
         folder = Path(folder)
         self.plot(folder)
         (folder / "report.json").write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        if self.tensors is not None:
+            from safetensors.torch import save_file
+
+            save_file(self.tensors, str(folder / self.data["directions_file"]), metadata={"report": self.kind})
         markdown = self.to_markdown()
         (folder / "report.md").write_text(markdown, encoding="utf-8")
         if echo:
@@ -405,50 +409,99 @@ def _plot_heal(data, folder):
 
 
 def critical_markdown(report: dict) -> str:
-    fields = report["fields"]
-    lines = [f"# hf-tangent critical: {report['model']}", "",
-             f"Reduced fields per layer ({report['composition']}); candidates: zero score ||P_u F|| / ||F|| < "
-             f"{report['threshold']} after {report['steps']} Adam steps and Levenberg-Marquardt refinement, from "
-             f"{report['random_starts']} random and {report['token_starts']} token starts ({report['windows']} windows "
-             f"x {report['seq_len']} tokens of {report['text']}); a real part counts as zero below {report['rel_tol']} "
-             f"x the spectral radius; {report['seconds']} s.", "",
-             "| field | starts | converged | distinct candidates | attractor | saddle | repeller | neutral | "
-             "unstable directions (mean share of Re > 0) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fields, refined = report["fields"], report.get("protocol", "paper") == "refined"
+    if refined:
+        what = (f"critical directions = roots of g = P_u F refined in float64 to a zero score < {report['tol']:g} "
+                f"(at most {report['max_iter']} Newton steps) from every start whose search (Adam, {report['steps']} steps) "
+                f"ended below {report['threshold']:g}; distinct by angle (u and -u one line for an odd field); typed by "
+                "the signs of the tangent spectrum (flagged where the smallest |Re lambda| is at rounding level)")
+    else:
+        what = (f"the paper's protocol: candidates = zero score ||P_u F|| / ||F|| < {report['threshold']} after "
+                f"{report['steps']} Adam steps (near-invariant directions, not roots); a real part counts as zero below "
+                f"{report['rel_tol']} x the spectral radius")
+    lines = [f"# hf-tangent critical: {report['model']} ({report.get('protocol', 'paper')} protocol)", "",
+             f"Reduced fields per layer ({report['composition']}); {what}; from {report['random_starts']} random and "
+             f"{report['token_starts']} token starts per layer ({report['windows']} windows x {report['seq_len']} tokens "
+             f"of {report['text']}); {report['seconds']} s. Directions: `{report.get('directions_file', '-')}`.", ""]
+    header = ["field", "path", "starts", "below threshold", "refined", "converged", "stalled", "roots", "attractor",
+              "saddle", "repeller", "neutral", "flagged", "mean unstable share"] if refined else [
+              "field", "starts", "converged", "distinct candidates", "attractor", "saddle", "repeller", "neutral",
+              "mean unstable share"]
+    lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for f in fields:
         t = report["totals"][f]
-        n = t["candidates"]
+        n = t.get("roots", t.get("candidates", 0))
         pct = lambda k, t=t, n=n: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
-        shares = [c["positive"] / (c["positive"] + c["negative"] + c["near_zero"])
-                  for r in report["layers"] for c in r["fields"][f]["candidates"]]
-        unstable = f"{statistics.fmean(shares):.3f}" if shares else "-"
-        lines.append(f"| {f} | {t['starts']} | {t['converged']} | {n} | {pct('attractor')} | {pct('saddle')} | "
-                     f"{pct('repeller')} | {pct('neutral')} | {unstable} |")
-    lines += ["", "Per layer (distinct candidates: attractor / saddle / repeller / neutral; best zero score):", "",
+        share = "-" if t.get("mean_unstable_share") is None else f"{t['mean_unstable_share']:.3f}"
+        paths = sorted({r["fields"][f]["path"].split(" (")[0] for r in report["layers"]})
+        cells = ([f, "/".join(paths), t["starts"], t["below_threshold"], t["refined"], t["converged"], t["stalled"], n]
+                 if refined else [f, t["starts"], t["converged"], n])
+        cells += [pct("attractor"), pct("saddle"), pct("repeller"), pct("neutral")]
+        cells += [t["flagged"], share] if refined else [share]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "Per layer (roots: attractor / saddle / repeller / neutral; then the search's converged / refined):"
+              if refined else "Per layer (candidates: attractor / saddle / repeller / neutral):", "",
               "| layer | " + " | ".join(fields) + " | s |", "|---:" + "|---" * len(fields) + "|---:|"]
     for r in report["layers"]:
         cells = []
         for f in fields:
-            c, cand = r["fields"][f]["counts"], r["fields"][f]["candidates"]
-            best = f"; {min(x['score'] for x in cand):.3f}" if cand else ""
-            cells.append(f"{c['attractor']}/{c['saddle']}/{c['repeller']}/{c['neutral']}{best}")
+            x, c = r["fields"][f], r["fields"][f]["counts"]
+            cell = f"{c['attractor']}/{c['saddle']}/{c['repeller']}/{c['neutral']}"
+            if refined:
+                cell += f" ({x.get('converged', '-')}/{x.get('refined', '-')})" if x["path"] == "search" else " (exact)"
+            cells.append(cell)
         lines.append(f"| {r['layer']} | " + " | ".join(cells) + f" | {r['seconds']} |")
-    errors = [c["decomposition_error"] for r in report["layers"] for c in r["fields"].get("full", {}).get("candidates", [])
-              if "decomposition_error" in c]
-    if errors:
-        lines += ["", f"Decomposition J = J_A + J_Phi at the full field's {len(errors)} candidates: relative error "
-                  f"max {max(errors):.2e}."]
+    if refined:
+        lines += _critical_structure(report)
     lines += ["", "![eigenvalues](critical_eigenvalues.png)", "", "![labels](critical_labels.png)"]
     return "\n".join(lines) + "\n"
 
 
+def _critical_structure(report: dict) -> list[str]:
+    """The OV map's rank and kernel (what forces the OV spectra), the search's check against the exact
+    OV roots, and the common directions of F_A and F_Phi with the eigenvalue law."""
+    lines = []
+    structures = [(r["layer"], r["ov_structure"]) for r in report["layers"] if r.get("ov_structure")]
+    if structures:
+        lines += ["", "OV map per layer (where the OV field is linear on the sphere, F_A(u) = M u): rank, kernel "
+                  "dimension (F_A = 0 there: a degenerate set, not points), real eigenvalues, isolated roots; at an OV "
+                  "root the kernel makes that many tangent eigenvalues equal to -rho exactly, so its type is forced by "
+                  "the sign of rho unless the other eigenvalues decide it.", "",
+                  "| layer | rank | kernel | real eigenvalues | isolated roots | other degenerate sets | search roots "
+                  "matched / exact found |", "|---:|---:|---:|---:|---:|---:|---|"]
+        for layer, s in structures:
+            check = next(r["fields"]["attention"].get("check") for r in report["layers"] if r["layer"] == layer) \
+                if "attention" in report["fields"] else None
+            matched = "-" if not check else f"{check['matched']} of {check['search_roots']} / {check['exact_found']} of " \
+                f"{check['exact']}"
+            others = [f"{d['dimension']}-dim (eigenvalue {d['eigenvalue']:.3g})" for d in s["degenerate"] if not d["kernel"]]
+            lines.append(f"| {layer} | {s['rank']} | {s['kernel_dimension']} | {s['real_eigenvalues']} | "
+                         f"{s['isolated_roots']} | {', '.join(others) or '-'} | {matched} |")
+    commons = [(r["layer"], r["common"]) for r in report["layers"] if r.get("common")]
+    if commons:
+        total = sum(c["common"] for _, c in commons)
+        best = [c.get("best_ffn_score_at_ov_roots") for _, c in commons if c.get("best_ffn_score_at_ov_roots") is not None]
+        lines += ["", f"Common critical directions of F_A and F_Phi (where the eigenvalue law lambda = lambda_A + "
+                  f"lambda_Phi can be tested): {total} in {len(commons)} layers" + (
+                      f"; the FFN's smallest zero score at an OV root is {min(best):.3g}" if best else "") + "."]
+        laws = [law for _, c in commons for law in c["law"]]
+        if laws:
+            lines.append(f"At them, J_A's eigenvectors leave a relative off-diagonal part of up to "
+                         f"{max(x['offdiagonal'] for x in laws):.3g} in J_Phi, and the largest gap between J's eigenvalues "
+                         f"and lambda_A + lambda_Phi is {max(x['largest_gap'] for x in laws):.3g}.")
+    return lines
+
+
 def _plot_critical(data, folder):
-    spectra = {f: [r["fields"][f]["best_eigenvalues"] for r in data["layers"] if r["fields"][f]["best_eigenvalues"]]
-               for f in data["fields"]}
+    best = {}
+    for f in data["fields"]:
+        best[f] = [min(r["fields"][f]["roots"], key=lambda x: x["score"])["eigenvalues"]
+                   for r in data["layers"] if r["fields"][f]["roots"]]
     counts = {f: {r["layer"]: r["fields"][f]["counts"] for r in data["layers"]} for f in data["fields"]}
-    return [plots.critical_eigenvalues(spectra, os.path.join(folder, "critical_eigenvalues.png"),
-                                       f"{data['model']}: tangent-Jacobian spectra of the best candidate per layer"),
-            plots.label_bars(counts, os.path.join(folder, "critical_labels.png"), f"{data['model']}: candidate types")]
+    title = "roots" if data.get("protocol") == "refined" else "candidates"
+    return [plots.critical_eigenvalues(best, os.path.join(folder, "critical_eigenvalues.png"),
+                                       f"{data['model']}: tangent-Jacobian spectra, best {title[:-1]} per layer"),
+            plots.label_bars(counts, os.path.join(folder, "critical_labels.png"), f"{data['model']}: {title} by type")]
 
 
 def pressure_markdown(report: dict) -> str:

@@ -92,27 +92,167 @@ def test_attention_field_is_attention_on_a_sequence_sitting_at_u():
     assert torch.allclose(seen["a"][0], expected.expand(7, 64), atol=1e-5)
 
 
+def _two_close_eigenvalues(d=8, seed=0):
+    """A non-symmetric M with real eigenvalues 3.0 and 2.94 (2 % apart), the rest well apart."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(d, d, generator=g, dtype=torch.float64)
+    values = torch.tensor([3.0, 2.94, 1.0, 0.4, -0.5, -1.0, -1.7, -2.5], dtype=torch.float64)[:d]
+    return basis @ torch.diag(values) @ torch.linalg.inv(basis), basis, values
+
+
+def test_refined_roots_of_a_field_with_two_eigenvalues_2_percent_apart_are_exactly_its_eigenvectors():
+    """The paper's threshold (0.05) accepts whole arcs between eigenvectors whose eigenvalues are close;
+    refined to convergence the roots are exactly the eigenvector lines, each found, none extra."""
+    matrix, basis, values = _two_close_eigenvalues()
+    field = lambda u: u @ matrix.T  # noqa: E731
+    truth = geometry.unit(basis.T)  # (8, d): the eigenvectors
+    starts = torch.randn(200, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    u, scores, converged, _ = geometry.newton_roots(field, starts, tol=1e-10, max_iter=60)
+    assert converged.sum() > 100
+    roots = u[converged][geometry.distinct_roots(u[converged], scores[converged], odd=True)]
+    cos = (roots @ truth.T).abs()
+    assert len(roots) == 8 and (1 - cos.max(dim=1).values).max() < 1e-12  # every root is an eigenvector line
+    assert (1 - cos.max(dim=0).values).max() < 1e-12  # every eigenvector line is found
+    # the paper's protocol at 0.05 keeps directions that are no root: some candidates sit far from every eigenvector
+    found = geometry.find_critical(lambda v: v @ matrix.float().T, starts.float(), threshold=0.05, max_refined=0, refine=0)
+    far = 1 - (geometry.unit(found["directions"].double()) @ truth.T).abs().max(dim=1).values
+    assert far.max() > 1e-3
+
+
+def test_exact_critical_set_of_a_linear_field():
+    """linear_critical: isolated roots = simple real eigenvalues, spectra {lambda_j - lambda_k}, types by
+    sign; a kernel and a repeated eigenvalue are degenerate sets reported by their dimension."""
+    matrix, basis, values = _two_close_eigenvalues()
+    exact = geometry.linear_critical(matrix)
+    assert [round(r["rho"], 9) for r in exact["isolated"]] == sorted(values.tolist(), reverse=True)
+    for r, k in zip(exact["isolated"], torch.argsort(values, descending=True).tolist(), strict=True):
+        expected = sorted((values[j] - values[k]).item() for j in range(8) if j != k)
+        assert sorted(z.real for z in r["spectrum"].tolist()) == pytest.approx(expected, abs=1e-9)
+        assert r["label"] == ("attractor" if k == 0 else "repeller" if k == 7 else "saddle")
+        assert r["margin"] == pytest.approx(min(abs(e) for e in expected), abs=1e-9) and not r["flagged"]
+    # rank 5 of 8 with a repeated eigenvalue: kernel of dimension 3, a 2-dimensional eigenspace, 1 isolated root
+    low = basis @ torch.diag(torch.tensor([2.0, 2.0, -1.0, 0, 0, 0, 0.5, 0], dtype=torch.float64))[:, :8] @ \
+        torch.linalg.inv(basis)
+    exact = geometry.linear_critical(low)
+    assert exact["rank"] == 4 and len(exact["isolated"]) == 2
+    assert sorted((d["dimension"], d["kernel"]) for d in exact["degenerate"]) == [(2, False), (4, True)]
+
+
+def test_types_by_sign_with_the_margin_and_the_rounding_flag():
+    exact_saddle = geometry.classify_by_sign(torch.tensor([-2.0, 1e-3, -0.5], dtype=torch.float64), 1e-9)
+    assert exact_saddle["label"] == "saddle" and exact_saddle["margin"] == pytest.approx(1e-3) and not exact_saddle["flagged"]
+    # a relative tolerance (the paper protocol's 1 %) would call it an attractor: the sign rule does not
+    assert geometry.classify(torch.tensor([-2.0, 1e-3, -0.5]), rel_tol=1e-2)["label"] == "attractor"
+    at_rounding = geometry.classify_by_sign(torch.tensor([-2.0, 1e-15], dtype=torch.float64), 1e-12)
+    assert at_rounding["label"] == "saddle" and at_rounding["flagged"]
+
+
+def test_odd_fields_and_linear_maps_are_detected():
+    model = make_tiny("llama")
+    fields = geometry.LayerFields(model, 1, dtype=torch.float64)
+    assert geometry.is_odd(fields.attention, 64) and not geometry.is_odd(fields.ffn, 64)
+    matrix, residual = geometry.linear_map(fields.attention, 64)
+    assert residual < 1e-12  # RMSNorm and no biases: F_A(u) = M u on the sphere, to float64 rounding
+    gpt2 = make_tiny("gpt2")  # LayerNorm: not linear on the sphere (it subtracts the mean); odd while biases are 0
+    fields = geometry.LayerFields(gpt2, 1, dtype=torch.float64)
+    assert geometry.linear_map(fields.attention, 64)[1] > 1e-3 and geometry.is_odd(fields.attention, 64)
+    with torch.no_grad():
+        gpt2.transformer.h[1].attn.c_proj.bias.fill_(0.1)
+    assert not geometry.is_odd(geometry.LayerFields(gpt2, 1, dtype=torch.float64).attention, 64)
+
+
+def _independent_ov(layer, eps, heads_per_kv):
+    """M = W_O W_V (kv heads repeated) diag(g) / sqrt(1/d + eps), from a Llama layer's weights."""
+    attn, g = layer.self_attn, layer.input_layernorm.weight.double()
+    d = g.shape[0]
+    w_v = attn.v_proj.weight.double()  # (kv * head_dim, d)
+    head_dim = attn.head_dim
+    w_v = w_v.view(-1, head_dim, d).repeat_interleave(heads_per_kv, dim=0).reshape(-1, d)
+    return attn.o_proj.weight.double() @ w_v @ torch.diag(g) / (1 / d + eps) ** 0.5
+
+
+def _check_ov_roots(report_layer, directions, matrix):
+    """Every reported OV root is an eigenvector line of `matrix` (1 - |cos| < 1e-6) with rho its eigenvalue
+    and the type the signs of {lambda_j - lambda_k} give."""
+    values, vectors = torch.linalg.eig(matrix)
+    roots = report_layer["roots"]
+    assert len(roots) == len(directions) > 0
+    for root, u in zip(roots, directions.double(), strict=True):
+        k = int(((vectors.real.T @ u).abs() / vectors.real.norm(dim=0)).argmax())
+        assert 1 - abs(torch.dot(geometry.unit(vectors[:, k].real), u).item()) < 1e-6
+        assert root["rho"] == pytest.approx(values[k].real.item(), rel=1e-6, abs=1e-9)
+        others = torch.cat([values[:k], values[k + 1:]]) - values[k]
+        positive, negative = int((others.real > 0).sum()), int((others.real < 0).sum())
+        expected = "saddle" if positive and negative else "attractor" if negative else "repeller"
+        assert (root["label"], root["positive"], root["negative"]) == (expected, positive, negative)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox_parallel", "llama", "mistral"])
-def test_critical_directions_on_every_architecture(arch):
+def test_refined_critical_directions_on_every_architecture(arch):
+    """The path taken per field (exact for the OV field of RMSNorm models without biases, the search
+    elsewhere) and, for every root reported, an independent zero score below 1e-6 from the layer's own
+    forward (Llama / Mistral: the OV roots against M from the weights)."""
     model = make_tiny(arch)
-    result = geometry.critical_directions(model, 1, torch.zeros(0, 64), random_starts=12, steps=120, threshold=0.2)
+    result = geometry.critical_directions(model, 1, torch.zeros(0, 64), random_starts=16, steps=150, threshold=0.2)
+    linear = arch in ("llama", "mistral")
+    assert result["fields"]["attention"]["path"].startswith("exact") == linear
+    assert result["fields"]["ffn"]["path"] == result["fields"]["full"]["path"] == "search"
+    layer = model.model.layers[1] if linear else None
+    if linear:
+        _check_ov_roots(result["fields"]["attention"], result["fields"]["attention"]["directions"],
+                        _independent_ov(layer, model.config.rms_norm_eps, 2))
+    fields = geometry.LayerFields(model, 1)  # float32, the model's own replay
     for name, found in result["fields"].items():
-        assert found["starts"] == 12 and len(found["candidates"]) <= found["converged"] <= 12
-        for c in found["candidates"]:
-            assert c["score"] < 0.2 and c["label"] in geometry.LABELS
-            assert c["positive"] + c["negative"] + c["near_zero"] == 63
-            if name == "full":
-                assert c["decomposition_error"] < 1e-6  # J = J_A + J_Phi, up to float32 rounding
+        assert found["refined"] == found["converged"] + found.get("stalled", 0) if found["path"] == "search" else True
+        for u in found["directions"]:
+            value = fields.field(name)(u[None].float())
+            assert geometry.zero_score(value, u[None].float()).item() < 1e-5  # float32 replay: 1e-6 in float64
 
 
-def test_candidate_search_is_seeded():
+@pytest.fixture(scope="module")
+def smollm2():
+    from hf_tangent.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def test_ov_critical_directions_of_a_real_smollm2_layer_at_the_default_settings(smollm2):
+    """Default settings (32 random + 32 token starts, 300 steps, threshold 0.05, tol 1e-8) on layer 3 of
+    SmolLM2-135M: every OV root against M from the weights, and the search's own roots all on them."""
+    model, tokenizer = smollm2
+    report = ht.critical(model, tokenizer, layers=[3], fields=["attention"], seq_len=256, max_windows=2, progress=False)
+    attention = report["layers"][0]["fields"]["attention"]
+    _check_ov_roots(attention, report.tensors["layer3.attention"],
+                    _independent_ov(model.model.layers[3], model.config.rms_norm_eps, 3))
+    check = attention["check"]
+    assert check["matched"] == check["search_roots"] > 0  # every root the search refined is an exact one
+
+
+@pytest.mark.slow
+def test_full_field_roots_of_a_real_smollm2_layer_at_the_default_settings(smollm2):
+    """Every full-field root's zero score recomputed independently (M from the weights plus a float64
+    copy of the layer's norm and MLP), and the search's counts add up (about a minute)."""
+    model, tokenizer = smollm2
+    report = ht.critical(model, tokenizer, layers=[3], fields=["full"], seq_len=256, max_windows=2, progress=False)
+    layer = model.model.layers[3]
+    matrix = _independent_ov(layer, model.config.rms_norm_eps, 3)
+    norm, mlp = [__import__("copy").deepcopy(m).double() for m in (layer.post_attention_layernorm, layer.mlp)]
+    for u in report.tensors["layer3.full"].double():
+        value = u @ matrix.T + mlp(norm(u[None]))[0]
+        assert geometry.zero_score(value[None], u[None]).item() < 1e-6
+    full = report["layers"][0]["fields"]["full"]
+    assert full["refined"] == full["below_threshold"] - full["merged_before_refining"]
+    assert full["converged"] + full["stalled"] == full["refined"]
+
+
+def test_the_search_is_deterministic_per_seed():
     model = make_tiny("llama")
     tokens = geometry.unit(torch.randn(4, 64, generator=torch.Generator().manual_seed(9)))
     run = lambda seed: geometry.critical_directions(model, 0, tokens, random_starts=6, steps=60, threshold=0.3,  # noqa: E731
-                                                    fields=("ffn",), seed=seed)["fields"]["ffn"]
+                                                    fields=("ffn",), seed=seed, protocol="paper")["fields"]["ffn"]
     first, again, other = run(0), run(0), run(1)
     assert first["converged"] > 0 and torch.equal(first["directions"], again["directions"])
-    assert [c["score"] for c in first["candidates"]] == [c["score"] for c in again["candidates"]]
+    assert [c["score"] for c in first["roots"]] == [c["score"] for c in again["roots"]]
     assert not torch.equal(first["directions"], other["directions"])
 
 
@@ -240,6 +380,22 @@ def test_geometry_commands(tiny_lm_folder, austen_dir, tmp_path, capsys):
     report = json.loads((tmp_path / "c" / "report.json").read_text())
     assert [r["layer"] for r in report["layers"]] == [0, 1] and report["totals"]["full"]["starts"] == 16
     assert (tmp_path / "c" / "critical_labels.png").is_file()
+    # the directions file: one float32 tensor per layer and field, unit rows in the report's order
+    from safetensors.torch import load_file
+
+    directions = load_file(tmp_path / "c" / "critical_directions.safetensors")
+    assert set(directions) == {f"layer{i}.{f}" for i in (0, 1) for f in ("attention", "ffn", "full")}
+    fields = geometry.LayerFields(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm_folder), 1,
+                                  dtype=torch.float64)
+    for f in ("attention", "ffn", "full"):
+        rows, roots = directions[f"layer1.{f}"], report["layers"][1]["fields"][f]["roots"]
+        assert rows.dtype == torch.float32 and rows.shape == (len(roots), 32)
+        assert torch.allclose(rows.norm(dim=-1), torch.ones(len(roots)), atol=1e-6)
+        for u, root in zip(rows.double(), roots, strict=True):  # rho recomputed at the saved direction
+            assert torch.dot(u, fields.field(f)(u[None])[0]).item() == pytest.approx(root["rho"], rel=1e-4, abs=1e-6)
+    assert cli.main(["critical", *common, "--protocol", "paper", "--random-starts", "4", "--token-starts", "0",
+                     "--steps", "10", "--threshold", "0.5", "--layers", "1", "--output-dir", str(tmp_path / "cp")]) == 0
+    assert "(paper protocol)" in (tmp_path / "cp" / "report.md").read_text()
     assert Report.load(tmp_path / "c" / "report.json").to_markdown() == (tmp_path / "c" / "report.md").read_text()
     assert cli.main(["pressure", *common, "--factors", "1", "0.1", "--output-dir", str(tmp_path / "p")]) == 0
     report = json.loads((tmp_path / "p" / "report.json").read_text())

@@ -4,7 +4,7 @@ types of their tangent Jacobians (docs/geometry.md; the paper's Table 2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ..experiments.geometry import CRITICAL_RANGES
 from ..geometry import FIELDS
@@ -30,9 +30,17 @@ class CriticalArguments(Checked):
         "help": "reduced fields: attention (OV-only), ffn (FFN-only), full (their sum)"})
     random_starts: int = field(default=32, metadata={"help": "random Gaussian starts per layer and field"})
     token_starts: int = field(default=32, metadata={"help": "real token directions (block inputs) as starts"})
+    protocol: Literal["refined", "paper"] = field(default="refined", metadata={
+        "help": "refined: roots of P_u F refined in float64 to a zero score < --tol (critical directions); paper: the "
+                "paper's thresholded near-invariant directions (score < --threshold), for a like-for-like Table 2"})
     steps: int = field(default=300, metadata={"help": "Adam steps per start before the refinement"})
-    threshold: float = field(default=0.05, metadata={"help": "zero score ||P_u F|| / ||F|| accepted as critical"})
-    rel_tol: float = field(default=0.01, metadata={"help": "|Re lambda| below rel_tol x spectral radius counts as zero"})
+    threshold: float = field(default=0.05, metadata={
+        "help": "search threshold: starts whose zero score ||P_u F|| / ||F|| ends below it are refined (refined) or "
+                "counted as candidates (paper)"})
+    tol: float = field(default=1e-8, metadata={"help": "refined: a root's zero score must fall below this (float64)"})
+    max_iter: int = field(default=20, metadata={"help": "refined: Newton / Levenberg-Marquardt steps per start"})
+    rel_tol: float = field(default=0.01, metadata={
+        "help": "paper: |Re lambda| below rel_tol x spectral radius counts as zero (refined types by sign)"})
 
 
 def critical_command_parser(subparsers):
@@ -47,8 +55,9 @@ def critical_command(args) -> int:
     model, text, run, options = dataclasses_of(args.parser, args)
     preflight(text, run, output_dir=run.output_dir, device=run.device)
     report = critical(model.model, text=text_source(text), layers=options.layers, fields=options.fields,
-                      random_starts=options.random_starts, token_starts=options.token_starts, steps=options.steps,
-                      threshold=options.threshold, rel_tol=options.rel_tol, seq_len=text.seq_len,
+                      protocol=options.protocol, random_starts=options.random_starts, token_starts=options.token_starts,
+                      steps=options.steps, threshold=options.threshold, tol=options.tol, max_iter=options.max_iter,
+                      rel_tol=options.rel_tol, seq_len=text.seq_len,
                       max_windows=text.max_windows, dtype=model.dtype, device=run.device, seed=run.seed)
     report.save(run.output_dir, echo=True)
     return 0

@@ -14,6 +14,7 @@ from ..ablation import VARIANTS as ABLATIONS
 from ..geometry import (
     FIELDS,
     GAIN_REGIMES,
+    PROTOCOLS,
     FfnProbe,
     block_inputs,
     critical_directions,
@@ -32,7 +33,8 @@ from .common import Clock, entry_point, progress_bar
 
 PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 CRITICAL_RANGES = {"random_starts": at_least(0), "token_starts": at_least(0), "steps": at_least(1),
-                   "threshold": Range(0, 1, open_low=True), "rel_tol": Range(0, 1, open_high=True)}
+                   "threshold": Range(0, 1, open_low=True), "rel_tol": Range(0, 1, open_high=True),
+                   "tol": Range(0, 1, open_low=True, open_high=True), "max_iter": at_least(1)}
 PRESSURE_RANGES = {"factors": Range(0)}
 FFN_JACOBIAN_RANGES = {"tokens": at_least(1), "top_k": at_least(1)}
 
@@ -48,67 +50,77 @@ def _layers(model, layers):
 
 @entry_point(patched_model="refused")
 def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = None, fields: list[str] = FIELDS,
-             random_starts: int = 32, token_starts: int = 32, steps: int = 300, threshold: float = 0.05,
-             rel_tol: float = 1e-2, seq_len: int = 256, max_windows: int = 2, dtype: str = "float32",
-             device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
-    """Critical-direction candidates of the OV-only, FFN-only and full reduced fields of every layer
+             protocol: str = "refined", random_starts: int = 32, token_starts: int = 32, steps: int = 300,
+             threshold: float = 0.05, tol: float = 1e-8, max_iter: int = 20, rel_tol: float = 1e-2, seq_len: int = 256,
+             max_windows: int = 2, dtype: str = "float32", device: str | None = None, seed: int = 0,
+             progress: bool = True) -> Report:
+    """Critical directions of the OV-only, FFN-only and full reduced fields of every layer
     (docs/geometry.md), from `random_starts` Gaussian and `token_starts` real token directions (block
-    inputs on `max_windows` windows of held-out text), with their tangent-Jacobian labels. The
-    `critical` report: per layer and field the starts, how many converged (zero score < threshold)
-    and the distinct candidates' labels; 96 eigenvalues of each field's best candidate per layer
-    (spectrum_sample) for the scatter plot.
+    inputs on `max_windows` windows of held-out text). protocol="refined": roots of P_u F refined to a
+    zero score < `tol` in float64 (at most `max_iter` Newton steps), deduplicated, typed by the signs
+    of their tangent spectra; the OV field solved exactly where it is linear on the sphere; common
+    directions of F_A and F_Phi and the eigenvalue law there. protocol="paper": the paper's
+    thresholded candidates (zero score < `threshold`, labels with `rel_tol`), which are not roots.
+    The `critical` report; its `tensors` (critical_directions.safetensors) hold every reported
+    direction, key `layer{L}.{field}`, rows in the report's order.
 
     Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
-        steps: Adam steps per start; threshold: zero score ||P_u F|| / ||F|| accepted;
-        rel_tol: a real part counts as zero below rel_tol * the spectral radius.
+        steps: Adam steps per start; threshold: the search's zero-score threshold (the paper's 0.05).
     """
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown fields {bad}; accepted: {', '.join(FIELDS)}.")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}.")
     check_values(CRITICAL_RANGES, random_starts=random_starts, token_starts=token_starts, steps=steps,
-                 threshold=threshold, rel_tol=rel_tol)
-    if min(random_starts, token_starts) < 0 or random_starts + token_starts == 0:
-        raise ValueError(f"random_starts={random_starts}, token_starts={token_starts}: need >= 0 each, > 0 together.")
+                 threshold=threshold, tol=tol, max_iter=max_iter, rel_tol=rel_tol)
+    if random_starts + token_starts == 0:
+        raise ValueError("random_starts=0, token_starts=0: accepted: at least one start.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     chosen = _layers(model, layers)
     clock = Clock()
     starts = block_inputs(model, held_out, chosen, token_starts, seed) if token_starts else {
         i: torch.zeros(0, model.get_input_embeddings().weight.shape[-1]) for i in chosen}
-    rows = []
+    rows, tensors = [], {}
     with progress_bar(progress, len(chosen), "hf-tangent critical", "layer") as bar:
         for i in chosen:
             layer_clock = Clock()
             result = critical_directions(model, i, starts[i], random_starts=random_starts, fields=fields, steps=steps,
-                                         threshold=threshold, rel_tol=rel_tol, seed=seed)
-            row = {"layer": i, "seconds": layer_clock.seconds, "fields": {}}
+                                         threshold=threshold, protocol=protocol, tol=tol, max_iter=max_iter,
+                                         rel_tol=rel_tol, seed=seed)
+            row = {k: v for k, v in result.items() if k != "fields"} | {"seconds": layer_clock.seconds, "fields": {}}
             for field, found in result["fields"].items():
-                candidates = found["candidates"]
-                best = min(candidates, key=lambda c: c["score"]) if candidates else None
-                row["fields"][field] = {
-                    "starts": found["starts"], "converged": found["converged"], "counts": label_counts(candidates),
-                    "candidates": [{k: v for k, v in c.items() if k != "eigenvalues"} for c in candidates],
-                    "best_eigenvalues": spectrum_sample(best["eigenvalues"]) if best else None}
+                tensors[f"layer{i}.{field}"] = found["directions"].float().contiguous()
+                row["fields"][field] = {k: v for k, v in found.items() if k != "directions"} | {
+                    "counts": label_counts(found["roots"])}
             rows.append(row)
             if bar is not None:
                 bar.update(1)
-    totals = {f: {"candidates": sum(len(r["fields"][f]["candidates"]) for r in rows),
-                  "converged": sum(r["fields"][f]["converged"] for r in rows),
-                  "starts": sum(r["fields"][f]["starts"] for r in rows),
-                  "counts": dict(sum((Counter(r["fields"][f]["counts"]) for r in rows), Counter()))} for f in fields}
-    return Report("critical", {
-        "command": "critical", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
-        "fields": list(fields), "random_starts": random_starts, "token_starts": token_starts, "steps": steps,
-        "threshold": threshold, "rel_tol": rel_tol, "composition": "additive: F = F_A + F_Phi (docs/geometry.md)",
-        "layers": rows, "totals": totals, "seconds": clock.seconds, **env})
+    report = Report("critical", {
+        "command": "critical", "protocol": protocol, "model": name, "text": text.describe(), "seq_len": seq_len,
+        "windows": len(held_out), "fields": list(fields), "random_starts": random_starts, "token_starts": token_starts,
+        "steps": steps, "threshold": threshold, "tol": tol, "max_iter": max_iter, "rel_tol": rel_tol,
+        "composition": "additive: F = F_A + F_Phi (docs/geometry.md)", "layers": rows,
+        "totals": _critical_totals(rows, fields), "directions_file": DIRECTIONS_FILE, "seconds": clock.seconds, **env})
+    report.tensors = tensors
+    return report
 
 
-def spectrum_sample(eigenvalues: list[list[float]], n: int = 96) -> list[list[float]]:
-    """At most n eigenvalues [re, im] for the scatter plot, evenly spaced in the order of the real
-    part (the extremes included), so that the kept report stays small."""
-    ordered = sorted(eigenvalues, key=lambda z: (z[0], z[1]))
-    if len(ordered) > n:
-        ordered = [ordered[round(k * (len(ordered) - 1) / (n - 1))] for k in range(n)]
-    return [[round(a, 5), round(b, 5)] for a, b in ordered]
+DIRECTIONS_FILE = "critical_directions.safetensors"
+
+
+def _critical_totals(rows: list[dict], fields) -> dict:
+    totals = {}
+    for f in fields:
+        found = [r["fields"][f] for r in rows]
+        roots = [root for x in found for root in x["roots"]]
+        totals[f] = {key: sum(x.get(key, 0) for x in found) for key in (
+            "starts", "below_threshold", "merged_before_refining", "refined", "converged", "stalled", "near_invariant")}
+        totals[f] |= {"roots": len(roots), "counts": dict(sum((Counter(x["counts"]) for x in found), Counter())),
+                      "flagged": sum(bool(root.get("flagged")) for root in roots),
+                      "mean_unstable_share": sum(root["unstable_share"] for root in roots) / len(roots) if roots else None,
+                      "degenerate": sum(len(x.get("degenerate", [])) for x in found)}
+    return totals
 
 
 @entry_point(patched_model="refused")

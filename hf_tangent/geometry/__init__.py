@@ -16,24 +16,24 @@ orthonormal basis Q of T = u^perp as Q^T (DF - rho I) Q, linearises the directio
 Everything here is measured on the unpatched model, in float32 with eigenvalues in float64.
 """
 
+from .critical import PROTOCOLS, critical_directions, label_counts
 from .ffn import GAIN_REGIMES, FfnProbe, gain_regimes, value_matrix
-from .fields import (
-    FIELDS,
-    LayerFields,
-    RunningSample,
-    block_inputs,
-    critical_directions,
-    ffn_inputs,
-    label_counts,
-)
+from .fields import FIELDS, LayerFields, RunningSample, block_inputs, ffn_inputs
 from .pressure import ZERO_FACTOR, attention_pressure, pressure_diversity
 from .sphere import (
     LABELS,
     analyse_critical,
     batched_jacobian,
     classify,
+    classify_by_sign,
+    descend,
+    distinct_roots,
     effective_rank,
     find_critical,
+    is_odd,
+    linear_critical,
+    linear_map,
+    newton_roots,
     project,
     refine_critical,
     tangent_basis,
@@ -42,8 +42,9 @@ from .sphere import (
     zero_score,
 )
 
-__all__ = ["FIELDS", "GAIN_REGIMES", "LABELS", "ZERO_FACTOR", "FfnProbe", "LayerFields", "RunningSample",
-           "analyse_critical", "attention_pressure", "batched_jacobian", "block_inputs", "classify",
-           "critical_directions", "effective_rank", "ffn_inputs", "find_critical", "gain_regimes", "label_counts",
+__all__ = ["FIELDS", "GAIN_REGIMES", "LABELS", "PROTOCOLS", "ZERO_FACTOR", "FfnProbe", "LayerFields", "RunningSample",
+           "analyse_critical", "attention_pressure", "batched_jacobian", "block_inputs", "classify", "classify_by_sign",
+           "critical_directions", "descend", "distinct_roots", "effective_rank", "ffn_inputs", "find_critical",
+           "gain_regimes", "is_odd", "label_counts", "linear_critical", "linear_map", "newton_roots",
            "pressure_diversity", "project", "refine_critical", "tangent_basis", "tangent_jacobian", "unit",
            "value_matrix", "zero_score"]

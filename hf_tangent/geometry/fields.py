@@ -3,34 +3,48 @@ seeded samples of real token directions, and the critical directions of every fi
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from ..patching import get_config
 from ..registry import architecture, first_output
-from .sphere import LABELS, analyse_critical, find_critical, unit
+from .sphere import unit
 
-FIELDS = ("attention", "ffn", "full")
+FIELDS = ("attention", "ffn", "full")  # the reduced fields of a layer (critical.py)
 
 
 class LayerFields:
-    """F_A, F_Phi and F of decoder layer `index` of an unpatched model, as row-wise maps (N, d) -> (N, d)."""
+    """F_A, F_Phi and F of decoder layer `index` of an unpatched model, as row-wise maps (N, d) -> (N, d).
 
-    def __init__(self, model, index: int):
+    `dtype=torch.float64` evaluates them on a float64 copy of the layer (the model is untouched): the
+    precision that root refinement to a zero score of 1e-8 needs; the default is the model's dtype."""
+
+    def __init__(self, model, index: int, dtype: torch.dtype | None = None):
         if get_config(model) is not None:
             raise ValueError("geometry: measure the reduced fields on the unpatched model (hf_tangent.unpatch first).")
         self.model = model
         self.spec, decoder = architecture(model)
         if not 0 <= index < len(decoder):
             raise ValueError(f"geometry: layer {index} out of range; accepted: 0..{len(decoder) - 1}.")
-        self.index, self.layer = index, decoder[index]
+        self.index, self.param = index, next(model.parameters())
+        self.dtype = dtype or self.param.dtype
+        self._args, self._kwargs = self._layer_call(decoder[index])
+        self.layer = decoder[index] if self.dtype == self.param.dtype else copy.deepcopy(decoder[index]).to(self.dtype)
+        if self.layer is not decoder[index]:  # the captured arguments (rotary cos/sin, masks) follow the copy
+            self._args, self._kwargs = tree_map(self._cast, self._args), tree_map(self._cast, self._kwargs)
         self.attention_out = self.spec.submodule(self.layer, "attention_out")
         self.ffn_branch = self.spec.ffn_branch(self.layer)
         self.scale = self.spec.scale(self.layer)
-        self.param = next(model.parameters())
-        self._args, self._kwargs = self._layer_call()
 
-    def _layer_call(self):
+    def _cast(self, value):
+        return value.to(self.dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def _layer_call(self, layer):
         """The layer's arguments in a one-token forward (position embeddings, masks), to replay."""
         seen = {}
 
@@ -38,7 +52,7 @@ class LayerFields:
             seen["args"], seen["kwargs"] = args, kwargs
             raise _Captured
 
-        handle = self.layer.register_forward_pre_hook(grab, with_kwargs=True)
+        handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             with torch.no_grad():
                 self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.param.device), use_cache=False)
@@ -62,13 +76,22 @@ class LayerFields:
 
         handle = self.attention_out.register_forward_hook(grab)
         try:
-            self.layer(u.to(self.param.dtype)[:, None, :], *self._args, **self._kwargs)
+            with self._precision():
+                self.layer(u.to(self.dtype)[:, None, :], *self._args, **self._kwargs)
         finally:
             handle.remove()
-        return seen["a"][:, 0, :].float()
+        return seen["a"][:, 0, :].to(self._out_dtype)
 
     def ffn(self, u: torch.Tensor) -> torch.Tensor:
-        return self.scale * self.ffn_branch(u.to(self.param.dtype)).float()
+        with self._precision():
+            return self.scale * self.ffn_branch(u.to(self.dtype)).to(self._out_dtype)
+
+    def _precision(self):
+        return _StayInFloat64() if self.dtype == torch.float64 else contextlib.nullcontext()
+
+    @property
+    def _out_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def full(self, u: torch.Tensor) -> torch.Tensor:
         return self.attention(u) + self.ffn(u)
@@ -81,6 +104,22 @@ class LayerFields:
 
 class _Captured(Exception):
     pass
+
+
+class _StayInFloat64(TorchFunctionMode):
+    """Inside the float64 replay, casts down to float32 stay float64: norms compute their statistics
+    in float32 by design (`x.to(torch.float32)`), which would cap the fields' precision at ~1e-7 and
+    with it how far a root can be refined. Nothing of the layer's code is copied."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.float and args[0].dtype == torch.float64:
+            return args[0]
+        if func is torch.Tensor.to and args[0].dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -118,42 +157,6 @@ def ffn_inputs(model, windows: torch.Tensor, layers: list[int], per_layer: int, 
     """Real FFN inputs x (what the pre-FFN norm reads) per layer, (per_layer, d)."""
     spec, decoder = architecture(model)
     return _sample_inputs(model, windows, {i: spec.submodule(decoder[i], "ffn_norm") for i in layers}, per_layer, seed)
-
-
-def critical_directions(model, index: int, token_starts: torch.Tensor, *, random_starts: int = 32,
-                        fields=FIELDS, steps: int = 300, lr: float = 0.05, threshold: float = 0.05,
-                        rel_tol: float = 1e-2, seed: int = 0) -> dict:
-    """Critical-direction candidates of each reduced field of layer `index`, from `random_starts`
-    Gaussian directions and the rows of `token_starts`, with their tangent-Jacobian spectra and
-    labels; at the full field's candidates, the decomposition error ||J - J_A - J_Phi|| / ||J||."""
-    fields_of = LayerFields(model, index)
-    d = fields_of.param.shape[-1] if token_starts.numel() == 0 else token_starts.shape[-1]
-    g = torch.Generator().manual_seed(seed * 1000 + index)
-    starts = torch.cat([torch.randn(random_starts, d, generator=g), token_starts.float().cpu()]).to(fields_of.param.device)
-    out = {"layer": index, "fields": {}}
-    for name in fields:
-        fn = fields_of.field(name)
-        found = find_critical(fn, starts, steps=steps, lr=lr, threshold=threshold)
-        candidates = analyse_critical(fn, found["directions"], rel_tol)
-        if name == "full" and candidates:
-            parts = {p: analyse_critical(fields_of.field(p), found["directions"], rel_tol) for p in ("attention", "ffn")}
-            for k, c in enumerate(candidates):
-                combined = parts["attention"][k]["jacobian"] + parts["ffn"][k]["jacobian"]
-                c["decomposition_error"] = ((c["jacobian"] - combined).norm() / c["jacobian"].norm()).item()
-        out["fields"][name] = {
-            "starts": found["starts"], "converged": found["converged"], "candidates": [
-                {"score": found["scores"][k].item(), **{key: v for key, v in c.items() if key not in ("jacobian",)},
-                 "eigenvalues": [[z.real, z.imag] for z in c["eigenvalues"].tolist()]}
-                for k, c in enumerate(candidates)],
-            "directions": found["directions"].cpu()}
-    return out
-
-
-def label_counts(candidates: list[dict]) -> dict:
-    counts = {label: 0 for label in LABELS}
-    for c in candidates:
-        counts[c["label"]] += 1
-    return counts
 
 
 class RunningSample:
