@@ -8,6 +8,7 @@ Importing this package changes nothing: every patch is per model instance. The r
 """
 
 from ._version import __version__
+from .adapters import push_patch, save_patch
 from .config import TangentConfig
 from .data import TextSource
 from .discovery import describe
@@ -59,6 +60,8 @@ __all__ = [
     "parallelize",
     "patch",
     "push_to_hub",
+    "push_patch",
+    "save_patch",
     "register_architecture",
     "describe",
     "set_homotopy",

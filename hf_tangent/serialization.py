@@ -11,6 +11,7 @@ in both directions and names every mismatch (file and field) before it returns a
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -201,14 +202,27 @@ def _check_against_model(record: dict, config: TangentConfig, gates: dict, model
         _fail(where, "the patch does not match its model: " + "; ".join(problems) + ".")
 
 
-def from_pretrained(path: str | os.PathLike, *, model_class=None, **kwargs):
-    """Load a folder (or hub repo) written by a patched model's `save_pretrained`; re-apply its patch.
+def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: str | None = None,
+                    base_revision: str | None = None, merge: bool = False, **kwargs):
+    """Load a patched model: a folder (or hub repo) written by a patched model's `save_pretrained`, or a
+    patch repo written by `save_patch` (the base is loaded from its own repo, then patched).
 
     `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
-    (dtype, device_map, attn_implementation, ...). Every mismatch between the record in
-    config.json, the saved weights and the model raises a ValueError naming the file and field.
+    (dtype, device_map, attn_implementation, ...). Patch repos only: `base_model` loads the base from
+    another id or a local mirror (`base_revision` its revision), `merge=True` merges LoRA adapters into
+    the weights. Every mismatch between the record, the saved weights and the model raises a
+    ValueError naming the file and field.
     """
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    repo = importlib.import_module(".adapters.repo", __package__)  # patch repos build on this module
+    if repo.is_patch_repo(path, **hub_kwargs):
+        if model_class is not None:
+            raise ValueError("hf_tangent.from_pretrained: model_class= is not accepted for a patch repo; its base class "
+                             "is recorded.")
+        return repo.load_patch(path, base_model=base_model, base_revision=base_revision, merge=merge, **kwargs)
+    if base_model is not None or base_revision is not None or merge:
+        raise ValueError(f"hf_tangent.from_pretrained: base_model=, base_revision= and merge= apply to patch repos; "
+                         f"{path!s} is a full model folder (its weights are in it).")
     _, data, record = _read_config(path, **hub_kwargs)
     where = f"{Path(str(path)) / 'config.json'}"
     try:
