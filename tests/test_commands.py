@@ -82,7 +82,7 @@ def test_non_utf8_text_is_named(common, tmp_path, capsys):
 @pytest.mark.parametrize("recipe, message", [
     ("max_steps: [3\n", "is not valid YAML"),
     ("- just\n- a list\n", "must be a YAML mapping"),
-    ("save_model: \"false\"\n", "key 'save_model' must be true or false (unquoted), got 'false'"),
+    ("save_patch: \"false\"\n", "key 'save_patch' must be true or false (unquoted), got 'false'"),
     ("max_steps: three\n", "key 'max_steps' must be an integer, got 'three'"),
     ("seq_len: 3.5\n", "key 'seq_len' must be an integer, got 3.5"),
     ("compare_updates: projected\n", "key 'compare_updates' must be a list"),
@@ -101,11 +101,11 @@ def test_recipe_errors_name_the_file_and_key(common, tmp_path, capsys, recipe, m
 
 def test_recipe_booleans_and_the_command_line_wins(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("command: calibrate\nsave_model: false\nmax_steps: 7\nseq_len: 64\ncompare_updates: [projected]\n")
+    path.write_text("command: calibrate\nsave_patch: false\nmax_steps: 7\nseq_len: 64\ncompare_updates: [projected]\n")
     args = cli.parse_args(["calibrate", "--recipe", str(path), "--seq-len", "32"])
-    assert args.save_model is False and args.max_steps == 7 and args.seq_len == 32
+    assert args.save_patch is False and args.max_steps == 7 and args.seq_len == 32
     assert args.compare_updates == ["projected"]
-    assert cli.parse_args(["calibrate", "--recipe", str(path), "--save-model"]).save_model is True
+    assert cli.parse_args(["calibrate", "--recipe", str(path), "--save-patch"]).save_patch is True
     with pytest.raises(SystemExit):
         cli.parse_args(["calibrate", "--recipe", str(tmp_path / "missing.yaml")])
 

@@ -21,7 +21,7 @@ from hf_tangent.evaluation import PERPLEXITY_METRIC, perplexity, strided_perplex
 from hf_tangent.models import load_tokenizer
 
 
-def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, **training_fields):
+def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, save_patch=True, **training_fields):
     """ht.calibrate_gates on the tiny model, its report saved to `out` and read back from there."""
     fields = dict(output_dir=str(out), max_steps=6, learning_rate=0.02, per_device_train_batch_size=8,
                   per_device_eval_batch_size=8, use_cpu=True) | training_fields
@@ -29,7 +29,8 @@ def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, **trainin
                          calibration_files=(str(austen_dir / "prideprejudice.txt"),))
     report = ht.calibrate_gates(str(folder), text=text, seq_len=32, max_windows=4, train_windows=8,
                                 compare_rules=list(compare), training_args=ht.TangentTrainingArguments(**fields),
-                                save_model=out / "model" if save_model else None, progress=False)
+                                save_model=out / "model" if save_model else None,
+                                save_patch=out / "patch" if save_patch else None, progress=False)
     report.save(out)
     return json.loads((out / "report.json").read_text())
 
@@ -87,6 +88,21 @@ def test_calibration_keeps_model_weights_frozen_and_reloads_gates(calibrated, ti
     assert "Delta L" in card and '"update": "add"' in card and "trust_remote_code=True" in card
 
 
+def test_calibration_patch_repo_is_kilobytes_and_equals_the_full_folder(calibrated, tiny_lm_folder):
+    """The default artifact of calibrate: a patch repo that records the base, under 100 kB, whose
+    reload gives the logits of the complete folder saved by the same run."""
+    _, out = calibrated
+    files = {p.name: p.stat().st_size for p in (out / "patch").iterdir()}
+    assert set(files) == {"README.md", "gates.safetensors", "hf_tangent_patch.json"} and sum(files.values()) < 100_000
+    record = json.loads((out / "patch" / "hf_tangent_patch.json").read_text())
+    assert record["base"]["name_or_path"] == str(tiny_lm_folder)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(ht.from_pretrained(out / "patch").eval()(ids).logits,
+                           ht.from_pretrained(out / "model").eval()(ids).logits)
+    assert "Delta L" in (out / "patch" / "README.md").read_text()
+
+
 def test_remote_code_loads_without_hf_tangent_in_a_fresh_process(calibrated, tmp_path):
     from conftest import logits_without_hf_tangent
 
@@ -117,7 +133,7 @@ def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder
     common = ["calibrate", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
               "--calibration-files", str(austen_dir / "prideprejudice.txt"), "--seq-len", "32",
               "--max-windows", "2", "--train-windows", "8", "--max-steps", "4", "--learning-rate", "0.02",
-              "--no-save-model", "--use-cpu"]
+              "--use-cpu"]
     single = subprocess.run([sys.executable, "-m", "hf_tangent.cli", *common, "--per-device-train-batch-size", "4",
                              "--output-dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -133,6 +149,9 @@ def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder
     for layer, gate in one["gates"].items():
         assert two["gates"][layer] == pytest.approx(gate, abs=1e-5)
     assert all(abs(g - 1) > 1e-3 for g in two["gates"].values())
+    # rank 0 wrote the patch repo of the 2-process run: it reloads with the reported gates
+    reloaded = training.gate_values(ht.from_pretrained(tmp_path / "two" / "patch"))
+    assert {str(k): v for k, v in reloaded.items()} == pytest.approx(two["gates"], abs=1e-7)
 
 
 @pytest.mark.parametrize(

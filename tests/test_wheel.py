@@ -58,7 +58,10 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
     cli = env_dir / "bin" / "hf-tangent"
     sh(cli, "calibrate", "--recipe", "offline_default", "--max_steps", "1", "--seq_len", "32", "--max_windows", "1",
        "--train_windows", "2", "--per_device_train_batch_size", "1", "--compare_updates", "projected",
-       "--use_cpu", "--output_dir", "out", cwd=work)
+       "--save_full_model", "--use_cpu", "--output_dir", "out", cwd=work)
+    patch = work / "out" / "patch"  # the default artifact: kilobytes that point at the offline base
+    assert sum(p.stat().st_size for p in patch.iterdir()) < 100_000
+    assert json.loads((patch / "hf_tangent_patch.json").read_text())["base"]["name_or_path"] == "smollm2-135m"
     report = json.loads((work / "out" / "report.json").read_text())
     assert report["model"] == "smollm2-135m" and report["text"]["calibration"] == "austen:calibration"
     assert [r["variant"] for r in report["update_variants"]] == ["unpatched", "projected"]
@@ -70,6 +73,8 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
              "out = model(ids).logits; {check}")
     sh(python, "-c", probe.format(load=f"__import__('hf_tangent').from_pretrained({str(hub)!r})",
                                   check=f"torch.save(out, {str(logits)!r})"), cwd=work)
+    sh(python, "-c", probe.format(load=f"__import__('hf_tangent').from_pretrained({str(patch)!r})",
+                                  check=f"assert torch.equal(out, torch.load({str(logits)!r}))"), cwd=work)
     sh(python, "-m", "pip", "uninstall", "-y", "-q", "hf_tangent")
     sh(python, "-c", probe.format(
         load=f"__import__('transformers').AutoModelForCausalLM.from_pretrained({str(hub)!r}, trust_remote_code=True)",

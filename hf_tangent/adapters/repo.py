@@ -106,22 +106,32 @@ def save_patch(model, folder: str | os.PathLike, *, base_model: str | None = Non
     The folder is written next to its target first and moved in at the end: a failure leaves an
     existing folder as it was. Returns the folder."""
     if sharding_engine(model) is not None:
-        raise ValueError(f"hf_tangent.save_patch: the model is sharded by {sharding_engine(model)}; gather it first "
-                         "(or save the full folder with hf_tangent.save_hub_folder on every rank).")
-    record = patch_record(model, base_model=base_model, revision=revision)
+        raise ValueError(f"hf_tangent.save_patch: the model is sharded by {sharding_engine(model)}; take the record "
+                         "before sharding (adapters.repo.patch_record) and write it with write_patch_repo.")
+    gates = {c.index: c.gate.detach().float().cpu().reshape(1) for c in tangent_layers(model) if c.gate is not None}
+    return write_patch_repo(folder, patch_record(model, base_model=base_model, revision=revision), gates,
+                            peft_model_of(model), card)
+
+
+def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_model=None,
+                     card: dict | None = None) -> Path:
+    """The files of a patch repo from its record, the gate values ({layer: value}) and the PEFT model
+    whose adapters it carries (None: no adapters); staged next to `folder`, moved in at the end."""
+    if sorted(gates) != ([i for i in record["patch"]["patched_layers"]] if record["gates"] else []):
+        raise ValueError(f"hf_tangent: gates for layers {sorted(gates)} do not match the patch's gated layers.")
+    if (peft_model is not None) != bool(record["adapters"]):
+        raise ValueError("hf_tangent: the record and the model disagree on whether the patch has LoRA adapters.")
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:
-        gates = {f"layer.{c.index}": c.gate.detach().float().cpu().reshape(1).contiguous()
-                 for c in tangent_layers(model) if c.gate is not None}
         if gates:
             from safetensors.torch import save_file
 
-            save_file(gates, str(staging / GATES_FILE), metadata={"format": "hf_tangent_gates"})
-        peft = peft_model_of(model)
-        if peft is not None:
-            peft.save_pretrained(staging / ADAPTER_FOLDER)
+            tensors = {f"layer.{i}": torch.as_tensor(v, dtype=torch.float32).reshape(1).contiguous() for i, v in gates.items()}
+            save_file(tensors, str(staging / GATES_FILE), metadata={"format": "hf_tangent_gates"})
+        if peft_model is not None:
+            peft_model.save_pretrained(staging / ADAPTER_FOLDER)
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (staging / CARD_FILE).write_text(_card(record, card or {}), encoding="utf-8")
         staging.chmod(0o755)

@@ -28,8 +28,12 @@ class CalibrateArguments:
     compare_updates: list[str] = field(default_factory=list, metadata={
         "help": "also evaluate these update variants, untrained, on the held-out text: " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})
-    save_model: bool = field(default=True, metadata={
-        "help": "write the calibrated model as a Hub repository folder in OUTPUT_DIR/model"})
+    save_patch: bool = field(default=True, metadata={
+        "help": "write the calibrated gates as a patch repo in OUTPUT_DIR/patch (kilobytes; it records the base model, "
+                "which is loaded from its own repo)"})
+    save_full_model: bool = field(default=False, metadata={
+        "help": "also write the complete model (weights, gates, remote code) in OUTPUT_DIR/model, for users "
+                "without hf_tangent"})
 
 
 def calibrate_command_parser(subparsers):
@@ -40,7 +44,7 @@ def calibrate_command_parser(subparsers):
 
 def hub_target(training) -> str | None:
     """The repo to publish to: the Trainer's --push_to_hub / --hub_model_id, published by hf_tangent
-    (a complete Hub folder with remote code and card) instead of the Trainer's checkpoint pushes."""
+    (the patch repo with its card) instead of the Trainer's checkpoint pushes."""
     if not training.push_to_hub:
         return None
     if not training.hub_model_id:
@@ -60,7 +64,8 @@ def calibrate_command(args) -> int:
                              max_windows=text.max_windows, train_windows=calibration.train_windows,
                              training_args=training, dtype=model.dtype, push_to_hub=repo,
                              hub_private=bool(training.hub_private_repo),
-                             save_model=f"{training.output_dir}/model" if options.save_model or repo else None)
+                             save_patch=f"{training.output_dir}/patch" if options.save_patch or repo else None,
+                             save_model=f"{training.output_dir}/model" if options.save_full_model else None)
     if training.process_index == 0:
         report.save(training.output_dir, echo=True)
     return 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
+from ..adapters.repo import patch_record, push_patch, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity
-from ..hub import push_to_hub as push_folder
 from ..hub import save_hub_folder
 from ..patching import patch
 from ..registry import decoder_layers
@@ -28,7 +28,8 @@ from .common import Clock, environment, progress_bar, refuse_patched, resolve_mo
 def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
                     compare_rules: list[str] = (), seq_len: int = 512, max_windows: int = 8, train_windows: int = 64,
                     training_args: TangentTrainingArguments | None = None, eval_batch_size: int | None = None,
-                    dtype: str = "float32", save_model: str | os.PathLike | None = None, push_to_hub: str | None = None,
+                    dtype: str = "float32", save_patch: str | os.PathLike | None = None,
+                    save_model: str | os.PathLike | None = None, push_to_hub: str | None = None,
                     hub_private: bool = False, progress: bool = True) -> Report:
     """Train one FFN gate per layer on calibration text, all model weights frozen, and report the
     gate profile and the held-out loss change (the `calibrate` report). Runs on every rank of a
@@ -41,9 +42,13 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         compare_rules: update variants also evaluated, untrained, on the held-out text.
         seq_len, max_windows, train_windows: held-out and calibration windows.
         training_args: Trainer settings (default `TangentTrainingArguments()`: 50 steps at lr 1e-2).
-        save_model: a folder for the calibrated model as a Hub repository; push_to_hub: a repo id.
+        save_patch: a folder for the calibrated gates as a patch repo (kilobytes; hf_tangent.save_patch);
+        save_model: a folder for the complete model (weights, gates, remote code; hf_tangent.save_hub_folder);
+        push_to_hub: a repo id to push the patch repo to.
+    A model object is calibrated in place: patched with the gates, which are trained.
     """
     tangent = TangentConfig(update=update, layers=layers, gates=True)  # validated before any work
+    named = model if isinstance(model, str) else None  # the base a patch repo records (else the model's own path)
     args = training_args or TangentTrainingArguments()
     text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
@@ -59,6 +64,7 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         table = evaluate_variants(model, held_out, list(compare_rules), batch_size=batch, progress=bar)
         before = perplexity(model, probe, batch_size=batch, progress=bar)
     patch(model, tangent)
+    record = patch_record(model, base_model=named)  # before any wrapping: the base's fingerprint, unsharded
     freeze_all_but_gates(model)
     trainer = train(model, lm_dataset(train_set), args)
     model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
@@ -76,20 +82,17 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
         **environment(args.device.type, dtype, args.seed),
     })
-    if save_model or push_to_hub:
-        _publish(report, trainer.model_wrapped, tokenizer, save_model or os.path.join(args.output_dir, "model"),
-                 push_to_hub, hub_private)
-    return report
-
-
-def _publish(report: Report, model, tokenizer, folder, repo: str | None, private: bool) -> None:
-    """The calibrated model as a Hub folder (every rank: gathering is a collective), pushed if asked."""
     card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)", "training": training_card(report.data),
             "results": calibrate_results_markdown(report.data),
             "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."}
-    folder = save_hub_folder(model, folder, tokenizer=tokenizer, card=card)
-    if folder is not None:  # rank 0
-        report.data["model_folder"] = str(folder)
-        if repo:
-            push_folder(folder, repo, private=private)
-            report.data["pushed_to"] = repo
+    if save_model:  # every rank: gathering a sharded model is a collective
+        folder = save_hub_folder(trainer.model_wrapped, save_model, tokenizer=tokenizer, card=card)
+        if folder is not None:
+            report.data["model_folder"] = str(folder)
+    if (save_patch or push_to_hub) and args.process_index == 0:
+        folder = write_patch_repo(save_patch or os.path.join(args.output_dir, "patch"), record, gates, card=card)
+        report.data["patch_folder"] = str(folder)
+        if push_to_hub:
+            push_patch(folder, push_to_hub, private=hub_private)
+            report.data["pushed_to"] = push_to_hub
+    return report

@@ -359,7 +359,7 @@ def cli_cases(tmp: Path, model_folder: Path):
     common = ["--model", str(model_folder), "--seq-len", "16", "--max-windows", "1", "--output-dir", str(tmp / "o")]
     (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp / "file").write_text("x")
-    recipes = {"not_yaml": "a: [1\n", "list": "- 1\n", "quoted_bool": "save_model: \"false\"\n", "bad_int": "max_steps: x\n",
+    recipes = {"not_yaml": "a: [1\n", "list": "- 1\n", "quoted_bool": "save_patch: \"false\"\n", "bad_int": "max_steps: x\n",
                "unknown": "max_step: 3\n", "other_command": "command: eval\n", "bad_choice": "compare_updates: [nope]\n",
                "float_for_int": "seq_len: 2.5\n", "scalar_for_list": "layers: 3\n"}
     for name, text in recipes.items():
