@@ -15,6 +15,7 @@ from .commands import (
     calibrate,
     critical,
     diagnose,
+    export,
     ffn_jacobian,
     finetune,
     heal,
@@ -31,7 +32,8 @@ COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finet
             diagnose.diagnose_command_parser, ablate.ablate_command_parser, sensitivity.sensitivity_command_parser,
             parallel_sweep.parallel_sweep_command_parser, study.study_command_parser,
             study_report.study_report_command_parser, heal.heal_command_parser,
-            critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser)
+            critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser,
+            export.export_command_parser)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -193,3 +193,19 @@ def test_save_patch_refusals(tiny_lm_folder, tmp_path):
     assert not (tmp_path / "p").exists()
     with pytest.raises(ValueError, match="base_model=, base_revision= and merge= apply to patch repos"):
         ht.from_pretrained(tiny_lm_folder, merge=True)
+
+
+def test_export_writes_a_complete_folder_that_loads_without_hf_tangent(tiny_lm_folder, tmp_path, capsys):
+    from conftest import logits_without_hf_tangent
+
+    from hf_tangent import cli
+
+    model = _healed(tiny_lm_folder)
+    ht.save_patch(model, tmp_path / "patch")
+    assert cli.main(["export", "--patch", str(tmp_path / "patch"), "--output", str(tmp_path / "full")]) == 0
+    assert (tmp_path / "full" / "model.safetensors").is_file() and (tmp_path / "full" / "tokenizer.json").is_file()
+    torch.testing.assert_close(logits_without_hf_tangent(tmp_path / "full", IDS, tmp_path), logits(model),
+                               rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+    assert cli.main(["export", "--patch", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 2
+    assert "hf-tangent export: error: hf_tangent: " in capsys.readouterr().err

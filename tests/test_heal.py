@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,13 +234,14 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
                      "--calibration-files", str(austen_dir / "northangerabbey.txt"),
                      "--seq-len", "32", "--max-windows", "4", "--train-windows", "16", "--max-steps", "6",
                      "--per-device-train-batch-size", "4", "--update", "retract p=2 (cayley)", "--layers", "0", "1",
-                     "--homotopy-fraction", "0.5", "--stages", "2", "--save-models", "true", "--output-dir", str(out)])
+                     "--homotopy-fraction", "0.5", "--stages", "2", "--save-models", "true", "--save-full-models", "true",
+                     "--output-dir", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     run = report["runs"][0]
     assert report["command"] == "heal" and run["homotopy"] == 1.0 and len(run["loss_curve"]) == 6
     # independent: the healed folder reloads as a patched model whose held-out NLL is the reported one
-    healed = ht.from_pretrained(run["saved"]).eval()
+    healed = ht.from_pretrained(run["saved"]["model"]).eval()
     assert ht.get_config(healed).update == "retract" and ht.get_homotopy(healed) == 1.0
     from hf_tangent.data import pack_windows
     from hf_tangent.models import load_tokenizer
@@ -254,7 +256,7 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     from test_patching import expected_delta
 
     rule = ht.get_config(healed)
-    weights = ht.unpatch(ht.from_pretrained(run["saved"])).eval()
+    weights = ht.unpatch(ht.from_pretrained(run["saved"]["model"])).eval()
     healed_nll = nll_with_ffn_rule(weights, held_out, lambda x, y, i: expected_delta(rule, x, y))
     assert run["healed"]["nll"] == pytest.approx(healed_nll, rel=1e-4)
     card = (out / "runs" / "seed0" / "model" / "README.md").read_text()
@@ -268,7 +270,12 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
         cached = healed.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
         uncached = healed.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=0)
     assert torch.equal(cached, uncached)
-    assert torch.equal(logits_without_hf_tangent(run["saved"], ids, tmp_path), expected)
+    assert torch.equal(logits_without_hf_tangent(run["saved"]["model"], ids, tmp_path), expected)
+    # the default artifact: the patch repo (patch + LoRA adapters, unmerged) gives the same model
+    patch_repo = ht.from_pretrained(run["saved"]["patch"]).eval()
+    assert (Path(run["saved"]["patch"]) / "adapter" / "adapter_model.safetensors").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(patch_repo(ids).logits, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(SystemExit):
         cli.main(["heal", "--model", str(tiny_lm_folder), "--update", "nope"])
 

@@ -228,7 +228,7 @@ def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, aust
 
     windows = pack_windows(load_tokenizer(str(tiny_lm_folder)), [(austen_dir / "emma.txt").read_text()], 32, 2)
     for seed in (0, 1):
-        saved = ht.unpatch(ht.from_pretrained(out / "runs" / f"projected-seed{seed}" / "model")).eval()
+        saved = ht.unpatch(ht.from_pretrained(out / "runs" / f"projected-seed{seed}" / "patch", merge=True)).eval()
         assert runs[("projected", seed)]["nll"] == pytest.approx(nll_with_ffn_rule(saved, windows, projected), rel=1e-5)
     deltas = [runs[("projected", s)]["nll"] - runs[("unpatched", s)]["nll"] for s in (0, 1)]
     assert summary["projected"]["delta_nll_mean"] == pytest.approx(sum(deltas) / 2)

@@ -115,12 +115,12 @@ def save_patch(model, folder: str | os.PathLike, *, base_model: str | None = Non
 
 def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_model=None,
                      card: dict | None = None) -> Path:
-    """The files of a patch repo from its record, the gate values ({layer: value}) and the PEFT model
-    whose adapters it carries (None: no adapters); staged next to `folder`, moved in at the end."""
+    """The files of a patch repo from its record (taken before training or sharding: patch_record), the
+    gate values ({layer: value}) and the PEFT model whose adapters it carries (None: no adapters);
+    staged next to `folder`, moved in at the end."""
     if sorted(gates) != ([i for i in record["patch"]["patched_layers"]] if record["gates"] else []):
         raise ValueError(f"hf_tangent: gates for layers {sorted(gates)} do not match the patch's gated layers.")
-    if (peft_model is not None) != bool(record["adapters"]):
-        raise ValueError("hf_tangent: the record and the model disagree on whether the patch has LoRA adapters.")
+    record = dict(record, adapters=ADAPTER_FOLDER if peft_model is not None else None)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))

@@ -33,7 +33,9 @@ class FinetuneArguments(Checked):
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
         "help": "LoRA target modules (names of the model's Linear layers)"})
-    save_models: bool = field(default=False, metadata={"help": "write every run's final model as a Hub folder"})
+    save_models: bool = field(default=False, metadata={
+        "help": "write every patched run's final model: a patch repo with its LoRA adapters (--method lora), the "
+                "complete folder (--method full)"})
 
 
 def finetune_command_parser(subparsers):

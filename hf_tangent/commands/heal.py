@@ -49,7 +49,11 @@ class HealArguments(Checked):
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
         "help": "LoRA target modules (names of the model's Linear layers)"})
-    save_models: bool = field(default=False, metadata={"help": "write every healed model as a Hub folder"})
+    save_models: bool = field(default=False, metadata={
+        "help": "write every healed model's patch: a patch repo (patch + LoRA adapters, kilobytes to megabytes) in "
+                "runs/seed<k>/patch; with --method full, whose weights move, the complete folder in runs/seed<k>/model"})
+    save_full_models: bool = field(default=False, metadata={
+        "help": "also write every healed model as a complete folder (LoRA merged, remote code) in runs/seed<k>/model"})
     prompt: str = field(default=SAMPLE_PROMPT, metadata={"help": "prompt of the generated sample before / after"})
 
 
@@ -76,7 +80,7 @@ def heal_command(args) -> int:
                   lora=LoraSettings(options.lora_r, options.lora_alpha, tuple(options.lora_targets)),
                   seeds=options.seeds, seq_len=text.seq_len, max_windows=text.max_windows,
                   train_windows=calibration.train_windows, training_args=training, dtype=model.dtype,
-                  save_models=options.save_models, prompt=options.prompt)
+                  save_models=options.save_models, save_full_models=options.save_full_models, prompt=options.prompt)
     if training.process_index == 0:
         report.save(training.output_dir, echo=True)
     return 0

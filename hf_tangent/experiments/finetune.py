@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 
+from ..adapters.repo import patch_record, write_patch_repo
 from ..data import TextSource
 from ..evaluation import perplexity, update_variants
 from ..hub import save_hub_folder
@@ -16,6 +17,7 @@ from ..patching import patch
 from ..reports import Report
 from ..stats import paired_summary
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from ..wrappers import peft_model_of
 from .common import Clock, entry_point, environment, resolve_model, windows
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
@@ -54,8 +56,11 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
          save_models) -> dict:
     """One (rule, seed) run: a fresh copy of the model, patched, (LoRA,) trained, evaluated."""
     run_model = resolve_model(model, tokenizer, dtype=dtype)[0] if isinstance(model, str) else copy.deepcopy(first)
+    record = None
     if tangent is not None:
         patch(run_model, tangent)
+        if save_models and method == "lora":  # before training: the base's fingerprint (LoRA leaves it as it is)
+            record = patch_record(run_model, base_model=model if isinstance(model, str) else None)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -66,9 +71,10 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
     run_model.eval()
     result = perplexity(run_model, held_out, batch_size=eval_batch_size or args.per_device_eval_batch_size)
     curve = loss_curve(trainer)
-    if save_models and tangent is not None:
-        save_hub_folder(run_model.merge_and_unload() if method == "lora" else run_model, os.path.join(run_dir, "model"),
-                        tokenizer=tokenizer)
+    if record is not None:  # LoRA: a patch repo (the patch and the adapters, unmerged)
+        write_patch_repo(os.path.join(run_dir, "patch"), record, {}, peft_model_of(run_model))
+    elif save_models and tangent is not None:  # full fine-tuning moved the base weights: the complete folder
+        save_hub_folder(run_model, os.path.join(run_dir, "model"), tokenizer=tokenizer)
     del run_model, trainer
     gc.collect()
     return {"variant": rule, "seed": seed, "nll": result["nll"], "perplexity": result["perplexity"],
@@ -88,7 +94,8 @@ def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RUL
         rules: update variants trained besides the unpatched model; seeds: one run per seed and rule.
         method: "lora" (PEFT LoRA with `lora` settings) or "full".
         training_args: Trainer settings; each run writes to output_dir/runs/<rule>-seed<seed>.
-        save_models: write every patched run's final model as a Hub repository folder.
+        save_models: write every patched run's final model: with LoRA a patch repo (runs/<rule>-seed<k>/patch,
+            adapters unmerged), with full fine-tuning the complete folder (runs/<rule>-seed<k>/model).
     """
     if method not in ("lora", "full"):
         raise ValueError(f"method={method!r}; accepted: 'lora', 'full'.")

@@ -11,17 +11,19 @@ from typing import ClassVar
 
 import torch
 
+from ..adapters.repo import patch_record, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
 from ..evaluation import perplexity
 from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
-from ..patching import HOMOTOPY_SCHEDULES, get_homotopy, patch
+from ..patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
 from ..ranges import Range, at_least, check_ranges
 from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import paired_permutation_test
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from ..wrappers import peft_model_of, unwrap
 from .common import Clock, entry_point, environment, refuse_patched, resolve_model, windows
 from .finetune import LoraSettings
 
@@ -90,13 +92,14 @@ def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, prompt, max_new_tokens,
-         unpatched):
+def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, save_full_model,
+         base_name, prompt, max_new_tokens, unpatched):
     model = copy.deepcopy(first)
     teacher = None
     if settings.method == "full":  # the weights move: the teacher is a frozen unpatched copy
         teacher = copy.deepcopy(first).eval().requires_grad_(False)
     patch(model, tangent)
+    record = patch_record(model, base_model=base_name) if save_model and settings.method == "lora" else None
     untrained = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher),
                  "sample": _generate(model, tokenizer, prompt, max_new_tokens)}
     if settings.method == "lora":
@@ -112,25 +115,29 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
                     temperature=settings.temperature, lm_weight=settings.lm_weight, teacher=teacher)
     model.eval()
     healed = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher)}
-    if settings.method == "lora":
-        model = model.merge_and_unload()
-    healed["sample"] = _generate(model, tokenizer, prompt, max_new_tokens)
-    curve = loss_curve(trainer)
-    saved = None
-    if save_model:
-        saved = os.path.join(run_dir, "model")
-        save_hub_folder(model, saved, tokenizer=tokenizer, card={
-            "title": f"{tangent.update} patch, healed by distillation",
+    card = {"title": f"{tangent.update} patch, healed by distillation",
             "training": (f"hf-tangent heal ({settings.method}, KL at T={settings.temperature}, lm_weight "
                          f"{settings.lm_weight}, {settings.schedule} homotopy over {homotopy.steps} of "
                          f"{run_args.max_steps} steps), seed {seed}."),
             "results": (f"Held-out NLL: unpatched {unpatched:.4f}, patch untrained {untrained['nll']:.4f} "
                         f"({untrained['nll'] - unpatched:+.4f}), healed {healed['nll']:.4f} "
-                        f"({healed['nll'] - unpatched:+.4f}) nats/token.")})
+                        f"({healed['nll'] - unpatched:+.4f}) nats/token.")}
+    saved = {}
+    if record is not None:  # LoRA: the patch and its adapters, unmerged, beside the untouched base
+        record["patch"] = getattr(unwrap(model).config, CONFIG_KEY)  # the final lambda
+        gates = {c.index: c.gate.detach().float().cpu() for c in tangent_layers(model) if c.gate is not None}
+        saved["patch"] = str(write_patch_repo(os.path.join(run_dir, "patch"), record, gates, peft_model_of(model), card))
+    if settings.method == "lora":
+        model = model.merge_and_unload()
+    healed["sample"] = _generate(model, tokenizer, prompt, max_new_tokens)
+    curve = loss_curve(trainer)
+    if save_full_model or (save_model and settings.method == "full"):  # full fine-tuning moved the base weights
+        saved["model"] = os.path.join(run_dir, "model")
+        save_hub_folder(model, saved["model"], tokenizer=tokenizer, card=card)
     final = get_homotopy(model)
     del model, trainer, teacher
     gc.collect()
-    return {"seed": seed, "untrained": untrained, "healed": healed, "loss_curve": curve, "saved": saved,
+    return {"seed": seed, "untrained": untrained, "healed": healed, "loss_curve": curve, "saved": saved or None,
             "homotopy": final if not isinstance(final, dict) else {str(i): v for i, v in final.items()}}
 
 
@@ -138,7 +145,8 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
 def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,
          lora: LoraSettings | None = None, seeds: list[int] = (0,), seq_len: int = 256, max_windows: int = 8,
          train_windows: int = 64, training_args: TangentTrainingArguments | None = None, dtype: str = "float32",
-         save_models: bool = False, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 20) -> Report:
+         save_models: bool = False, save_full_models: bool = False, prompt: str = SAMPLE_PROMPT,
+         max_new_tokens: int = 20) -> Report:
     """Patch `model` with `tangent` and heal it by distillation from its unpatched self, once per
     seed (each run a fresh copy); the `heal` report: held-out NLL and KL untrained vs healed, with
     the unpatched NLL as reference and a paired sign-flip test over seeds.
@@ -147,7 +155,10 @@ def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: 
         model: a model name or a loaded (unpatched) model; tangent: the patch to heal.
         settings: method (lora / full), loss (temperature, lm_weight) and homotopy.
         training_args: Trainer settings; run k writes to output_dir/runs/seed<k>.
-        save_models: write every healed model as a Hub folder whose card states its measured NLL.
+        save_models: write every healed model's patch: with LoRA a patch repo (the patch and the adapters,
+            unmerged, runs/seed<k>/patch); with full fine-tuning, whose weights moved, the complete folder
+            (runs/seed<k>/model). Its card states the measured NLL.
+        save_full_models: also write the complete folder (LoRA merged) for LoRA runs.
     """
     if not isinstance(tangent, TangentConfig):
         raise TypeError(f"heal expects a TangentConfig to heal, got {type(tangent).__name__}.")
@@ -162,8 +173,9 @@ def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: 
     dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
     clock = Clock()
     unpatched = perplexity(first, held_out)["nll"]
-    runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, prompt,
-                 max_new_tokens, unpatched) for seed in seeds]
+    base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
+    runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, save_full_models,
+                 base_name, prompt, max_new_tokens, unpatched) for seed in seeds]
     gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]
     return Report("heal", {
         "command": "heal", "model": name, "patch": tangent.to_dict(), "settings": dataclasses.asdict(settings),
