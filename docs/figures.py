@@ -509,7 +509,21 @@ def performance_notes() -> str:
             ".\n")
 
 
+def patch_repo_sizes() -> str:
+    r = report("benchmarks/results/patch_repo_cpu.json")
+
+    def mb(n):
+        return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+    rows = [[run, mb(x["patch_bytes"]), mb(x["full_bytes"]), f"{x['full_bytes'] / x['patch_bytes']:.0f}x",
+             f"{x['reload_patch_s']:.1f} s", f"{x['reload_full_s']:.1f} s", ", ".join(f"`{f}`" for f in x["patch_files"])]
+            for run, x in r["runs"].items()]
+    return table(["run", "patch repo", "complete folder", "smaller by", "reload (patch repo)", "reload (folder)",
+                  "patch repo files"], rows, "---|---:|---:|---:|---:|---:|---")
+
+
 REGIONS = {
+    "patch-repo-sizes": patch_repo_sizes,
     "performance-tables": performance_tables,
     "performance-notes": performance_notes,
     "main-job": main_job,

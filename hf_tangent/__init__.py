@@ -35,7 +35,7 @@ _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "fin
          "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
          "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
          "HealSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
-         "pressure": "experiments", "ffn_jacobian": "experiments"}
+         "pressure": "experiments", "ffn_jacobian": "experiments", "lm_eval": "experiments"}
 
 
 def __getattr__(name: str):

@@ -256,3 +256,22 @@ def gain_histograms(rows: list[dict], path: str, title: str, panels: int = 6) ->
     axes[0, 0].set_ylabel("fraction of units")
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def paired_differences(paired: dict, tasks: list[str], path: str, title: str) -> str:
+    """Per task, each variant's accuracy difference against the unpatched model with its interval."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        variants = [v for v in paired if "acc" in paired[v].get(task, {})]
+        diffs = [paired[v][task]["acc"] for v in variants]
+        y = range(len(variants))
+        ax.errorbar([d["diff"] for d in diffs], list(y), xerr=[[d["diff"] - d["low"] for d in diffs],
+                                                               [d["high"] - d["diff"] for d in diffs]], fmt="o")
+        ax.axvline(0.0, color="grey", lw=0.8)
+        ax.set_yticks(list(y))
+        ax.set_yticklabels([v[-28:] for v in variants], fontsize=7)
+        ax.set_xlabel("acc - acc(unpatched)")
+        ax.set_title(task)
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -492,6 +492,40 @@ def _critical_structure(report: dict) -> list[str]:
     return lines
 
 
+def lm_eval_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent lm-eval: {report['model']}", "",
+             f"EleutherAI's LM Evaluation Harness on the model in memory; {report['limit'] or 'all'} items per task, "
+             f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
+             f"paired bootstrap interval ({report['bootstrap']} resamples); {report['seconds']} s."]
+    for task in report["tasks"]:
+        source = report.get("task_source", {}).get(task)
+        lines += ["", f"## {task}" + (f" ({source})" if source else ""), ""]
+        metrics = sorted({k for r in report["results"].values() for k in r.get(task, {}) if "stderr" not in k
+                          and k != "sample_len"})
+        header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in ("acc", "acc_norm")
+                                         if any(m in p.get(task, {}) for p in report["paired"].values())]]
+        lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+        for variant in report["variants"]:
+            values = report["results"][variant].get(task, {})
+            cells = []
+            for m in metrics:
+                stderr = values.get(m.replace(",", "_stderr,", 1))
+                cells.append("-" if m not in values else f"{values[m]:.4f}" + (
+                    f" +- {stderr:.4f}" if isinstance(stderr, float) else ""))
+            for m in header[1 + len(metrics):]:
+                key = m.split(" ")[1]
+                p = report["paired"].get(variant, {}).get(task, {}).get(key)
+                cells.append("-" if p is None else f"{p['diff']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]")
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "![paired differences](lm_eval_differences.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_lm_eval(data, folder):
+    return [plots.paired_differences(data["paired"], data["tasks"], os.path.join(folder, "lm_eval_differences.png"),
+                                     f"{data['model']}: accuracy against the unpatched model")]
+
+
 def _plot_critical(data, folder):
     best = {}
     for f in data["fields"]:
@@ -546,12 +580,13 @@ def ffn_jacobian_markdown(report: dict) -> str:
 MARKDOWN = {"eval": eval_markdown, "calibrate": calibrate_markdown, "finetune": finetune_markdown,
             "diagnose": diagnose_markdown, "ablate": ablate_markdown, "sensitivity": sensitivity_markdown,
             "parallel-sweep": sweep_markdown, "study": study_markdown, "heal": heal_markdown,
-            "critical": critical_markdown, "pressure": pressure_markdown, "ffn-jacobian": ffn_jacobian_markdown}
+            "critical": critical_markdown, "pressure": pressure_markdown, "ffn-jacobian": ffn_jacobian_markdown,
+            "lm-eval": lm_eval_markdown}
 PLOTS = {"calibrate": _plot_calibrate, "finetune": _plot_finetune, "ablate": _plot_ablate,
          "diagnose": lambda data, folder: [plots.diagnostics_layers(
              data["layers"], os.path.join(folder, "diagnostics_layers.png"), title=f"{data['model']} ({data['update']})")],
          "sensitivity": _plot_sensitivity, "parallel-sweep": _plot_sweep, "study": _plot_study, "heal": _plot_heal,
-         "critical": _plot_critical,
+         "critical": _plot_critical, "lm-eval": _plot_lm_eval,
          "pressure": lambda data, folder: [plots.pressure_curves(
              data["summary"], os.path.join(folder, "pressure_curves.png"), f"{data['model']}: diversity under pressure")],
          "ffn-jacobian": lambda data, folder: [plots.gain_histograms(

@@ -1,0 +1,101 @@
+"""`lm_eval`: downstream accuracy with EleutherAI's LM Evaluation Harness, for several variants of one
+base model in one run (unpatched, update rules, saved patched folders and patch repos), with paired
+differences against the unpatched model from lm-eval's per-sample outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ablation import paired_bootstrap
+from ..evaluation import update_variants
+from ..harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
+from ..harness.tasks import TASKS
+from ..patching import get_config, patch, without_patch
+from ..ranges import at_least, check_values
+from ..reports import Report
+from .common import Clock, entry_point, environment, resolve_model
+
+LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
+
+
+@entry_point(patched_model="as is")
+def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[str] = ("unpatched", "projected"),
+            model_folders: list[str] = (), include_path: str | None = None, num_fewshot: int | None = None,
+            limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: str = "float32",
+            device: str | None = None, seed: int = 0) -> Report:
+    """Downstream accuracy of every variant on lm-eval tasks (the `lm-eval` report): the metrics
+    exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task, and per
+    variant the paired difference of each per-sample metric (acc, acc_norm) against "unpatched" with
+    a paired bootstrap interval over the documents.
+
+    Args:
+        model, tokenizer: a model name (offline name, folder, hub id) or a loaded model with its tokenizer;
+            a patched model is evaluated as it is too ("as given").
+        tasks: lm-eval task names; the offline defaults are hf_tangent's Austen tasks (austen_lastword,
+            austen_nextsentence), in-domain for the project's calibration text; hub tasks (hellaswag,
+            arc_easy, lambada_openai, ...) need a network.
+        variants: "unpatched" and update variant names (`hf-tangent eval`'s names), each on every layer.
+        model_folders: saved patched folders or patch repos (healed, converted), evaluated as loaded.
+        include_path: a folder of the user's own task YAMLs; num_fewshot, limit (items per task),
+            batch_size: as lm-eval's; bootstrap: resamples of the paired intervals; dtype, device, seed.
+    """
+    require_lm_eval()
+    check_values(LM_EVAL_RANGES, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, bootstrap=bootstrap)
+    known = update_variants()
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; accepted: {', '.join(known)} (and --model_folders for saved ones).")
+    manager = task_manager(include_path)
+    missing = [t for t in tasks if not manager.match_tasks([t])]
+    if missing:
+        raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
+    model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
+    clock = Clock()
+    runs, seconds = {}, {}
+
+    def run(label, candidate):
+        started = Clock()
+        runs[label] = evaluate(candidate, tokenizer, list(tasks), manager, num_fewshot=num_fewshot, limit=limit,
+                               batch_size=batch_size, seed=seed)
+        seconds[label] = started.seconds
+
+    if get_config(model) is not None:
+        run("as given", model)
+    with without_patch(model):
+        for variant in ["unpatched", *[v for v in variants if v != "unpatched"]]:
+            if known[variant] is not None:
+                patch(model, known[variant])
+            run(variant, model.eval())
+    for folder in model_folders:
+        from ..serialization import from_pretrained
+
+        loaded = from_pretrained(folder, merge=True, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
+        run(str(folder), loaded.eval())
+        del loaded
+    paired = {label: _paired(runs[label], runs["unpatched"], bootstrap, seed) for label in runs if label != "unpatched"}
+    return Report("lm-eval", {
+        "command": "lm-eval", "model": name, "tasks": list(tasks), "variants": list(runs),
+        "num_fewshot": num_fewshot, "limit": limit, "include_path": include_path, "bootstrap": bootstrap,
+        "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text)"
+                        for t in tasks if t in TASKS},
+        "results": {label: r["results"] for label, r in runs.items()},
+        "n_samples": {label: r["n_samples"] for label, r in runs.items()},
+        "paired": paired, "variant_seconds": seconds, "seconds": clock.seconds,
+        **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)})
+
+
+def _paired(variant: dict, baseline: dict, bootstrap: int, seed: int) -> dict:
+    """Per task and paired metric: mean difference variant - baseline over the documents both have,
+    with a paired percentile bootstrap interval (95 %)."""
+    out = {}
+    for task, docs in variant["samples"].items():
+        common = sorted(set(docs) & set(baseline["samples"].get(task, {})))
+        out[task] = {}
+        for metric in PAIRED_METRICS:
+            if not common or metric not in docs[common[0]]:
+                continue
+            diffs = torch.tensor([docs[d][metric] - baseline["samples"][task][d][metric] for d in common],
+                                 dtype=torch.float64)
+            low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed)
+            out[task][metric] = {"diff": diffs.mean().item(), "low": low, "high": high, "n": len(common)}
+    return out

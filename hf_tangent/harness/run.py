@@ -1,0 +1,46 @@
+"""Running lm-eval's HFLM on a model in memory, and reading its per-sample outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+INSTALL = "pip install 'hf_tangent[eval]'  (EleutherAI's lm-eval >= 0.4.13)"
+PAIRED_METRICS = ("acc", "acc_norm")  # per-sample 0/1 values, paired across variants by document
+
+
+def require_lm_eval() -> None:
+    """One line that says what to install, before any model is loaded."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise RuntimeError(f"hf-tangent lm-eval needs the LM Evaluation Harness, which is not installed: {INSTALL}")
+
+
+def task_manager(include_path: str | None = None):
+    """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder."""
+    from lm_eval.tasks import TaskManager
+
+    from .tasks import task_folder
+
+    paths = [str(task_folder())] + ([str(include_path)] if include_path else [])
+    return TaskManager(include_path=paths)
+
+
+def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
+             batch_size: int = 1, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
+    """lm_eval.simple_evaluate on an HFLM wrapping the model object: {"results": the metrics as lm-eval
+    names them per task, "samples": {task: {doc_id: {metric: value}}} for the paired metrics}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    device = next(model.parameters()).device
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
+    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                          log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                          fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)
+    results = {task: {k: v for k, v in metrics.items() if k != "alias" and isinstance(v, (int, float))}
+               for task, metrics in out["results"].items() if task in tasks}
+    samples = {}
+    for task in tasks:
+        samples[task] = {}
+        for sample in out["samples"].get(task, []):
+            samples[task][int(sample["doc_id"])] = {m: float(sample[m]) for m in PAIRED_METRICS if m in sample}
+    return {"results": results, "samples": samples, "n_samples": out.get("n-samples", {})}
