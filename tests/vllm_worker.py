@@ -25,7 +25,7 @@ def main():
         return
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1))
     json.dump({"outputs": [{"tokens": list(o.outputs[0].token_ids),
-                            "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                            "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]}
                            for o in outs]}, open(sys.argv[2], "w"))
 
 
