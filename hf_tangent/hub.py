@@ -180,15 +180,23 @@ def push_to_hub(model_or_folder, repo_id: str, *, tokenizer=None, card: dict | N
         tokenizer, card: saved with the model (card: values for the model card template).
         token, private, commit_message: passed to huggingface_hub.
     Returns the upload's commit info."""
+    return upload(model_or_folder, repo_id, "config.json", "push_to_hub: {folder} is not a saved model folder",
+                  lambda model, tmp: save_hub_folder(model, tmp, tokenizer=tokenizer, card=card),
+                  token=token, private=private, commit_message=commit_message)
+
+
+def upload(model_or_folder, repo_id: str, marker: str, not_a_folder: str, save, *, token, private, commit_message):
+    """Upload a folder (which must hold `marker`) or what `save(model, tmp)` writes for a model to the Hub
+    repository `repo_id` (created if missing)."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:
         if isinstance(model_or_folder, (str, os.PathLike)):
             folder = Path(model_or_folder)
-            if not (folder / "config.json").is_file():
-                raise ValueError(f"push_to_hub: {folder} is not a saved model folder (no config.json).")
+            if not (folder / marker).is_file():
+                raise ValueError(not_a_folder.format(folder=folder) + f" (no {marker}).")
         else:
-            folder = save_hub_folder(model_or_folder, tmp, tokenizer=tokenizer, card=card)
+            folder = save(model_or_folder, tmp)
         api.create_repo(repo_id, private=private, exist_ok=True)
         return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message)

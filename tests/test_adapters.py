@@ -209,3 +209,24 @@ def test_export_writes_a_complete_folder_that_loads_without_hf_tangent(tiny_lm_f
     capsys.readouterr()
     assert cli.main(["export", "--patch", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 2
     assert "hf-tangent export: error: hf_tangent: " in capsys.readouterr().err
+
+
+def test_push_patch_uploads_the_patch_repo_and_refuses_other_folders(tiny_lm_folder, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = {}
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: calls.__setitem__("create", (repo_id, kw)))
+
+    def fake_upload_folder(self, repo_id, folder_path, **kwargs):
+        calls["files"] = sorted(p.name for p in __import__("pathlib").Path(folder_path).iterdir())
+        calls["record"] = read_record(folder_path)
+        return "commit"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
+    assert ht.push_patch(gated(tiny_lm_folder), "user/tiny-patch", base_model=str(tiny_lm_folder), private=True) == "commit"
+    assert calls["create"] == ("user/tiny-patch", {"private": True, "exist_ok": True})
+    assert calls["files"] == ["README.md", "gates.safetensors", "hf_tangent_patch.json"]
+    assert calls["record"]["base"]["name_or_path"] == str(tiny_lm_folder)
+    with pytest.raises(ValueError, match=r"push_patch: .* is not a patch folder \(no hf_tangent_patch.json\)"):
+        ht.push_patch(tiny_lm_folder, "user/x")

@@ -184,18 +184,11 @@ def push_patch(model, repo_id: str, *, base_model: str | None = None, revision: 
         base_model, revision, card: as `save_patch`.
         token, private, commit_message: passed to huggingface_hub.
     Returns the upload's commit info."""
-    from huggingface_hub import HfApi
+    from ..hub import upload
 
-    api = HfApi(token=token)
-    with tempfile.TemporaryDirectory() as tmp:
-        if isinstance(model, (str, os.PathLike)):
-            folder = Path(model)
-            if not (folder / RECORD_FILE).is_file():
-                raise ValueError(f"hf_tangent.push_patch: {folder} is not a patch folder (no {RECORD_FILE}).")
-        else:
-            folder = save_patch(model, Path(tmp) / "patch", base_model=base_model, revision=revision, card=card)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message)
+    return upload(model, repo_id, RECORD_FILE, "hf_tangent.push_patch: {folder} is not a patch folder",
+                  lambda m, tmp: save_patch(m, Path(tmp) / "patch", base_model=base_model, revision=revision, card=card),
+                  token=token, private=private, commit_message=commit_message)
 
 
 # ----------------------------------------------------------------------------- reading
