@@ -384,7 +384,23 @@ def test_geometry_commands(tiny_lm_folder, austen_dir, tmp_path, capsys):
     from safetensors.torch import load_file
 
     directions = load_file(tmp_path / "c" / "critical_directions.safetensors")
-    assert set(directions) == {f"layer{i}.{f}" for i in (0, 1) for f in ("attention", "ffn", "full")}
+    assert {k for k in directions if not k.endswith(".eigenvalues")} == {
+        f"layer{i}.{f}" for i in (0, 1) for f in ("attention", "ffn", "full")}
+    # every root's eigenvalue sample is in the file ([roots, k, 2], extremes kept); the JSON keeps the best root's
+    for i, row in enumerate(report["layers"]):
+        for f, found in row["fields"].items():
+            if not found["roots"]:
+                assert f"layer{i}.{f}.eigenvalues" not in directions
+                continue
+            spectra = directions[f"layer{i}.{f}.eigenvalues"]
+            assert spectra.shape[:1] == (len(found["roots"]),) and spectra.shape[2] == 2
+            for sample, root in zip(spectra, found["roots"], strict=True):
+                assert sample[:, 0].max().item() == pytest.approx(root["max_real"], rel=1e-5, abs=1e-6)
+                assert sample[:, 0].min().item() == pytest.approx(root["min_real"], rel=1e-5, abs=1e-6)
+            kept = [r for r in found["roots"] if "eigenvalues" in r]
+            assert kept == [min(found["roots"], key=lambda r: r["score"])]
+            best = found["roots"].index(kept[0])
+            assert torch.tensor(kept[0]["eigenvalues"]) == pytest.approx(spectra[best].double(), abs=1e-6)
     fields = geometry.LayerFields(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_lm_folder), 1,
                                   dtype=torch.float64)
     for f in ("attention", "ffn", "full"):

@@ -96,6 +96,7 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
             rows.append(row)
             if bar is not None:
                 bar.update(1)
+    split_eigenvalues(rows, tensors)
     report = Report("critical", {
         "command": "critical", "protocol": protocol, "model": name, "text": text.describe(), "seq_len": seq_len,
         "windows": len(held_out), "fields": list(fields), "random_starts": random_starts, "token_starts": token_starts,
@@ -107,6 +108,24 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
 
 
 DIRECTIONS_FILE = "critical_directions.safetensors"
+
+
+def split_eigenvalues(rows: list[dict], tensors: dict) -> None:
+    """Move every root's eigenvalue sample ([re, im] pairs) into the directions file as
+    `layer{i}.{field}.eigenvalues` ([roots, k, 2], in the order of the roots and of `layer{i}.{field}`);
+    report.json keeps it only on each layer's best root (the lowest score, first on a tie: the one the
+    plot shows), so the JSON stays readable (an exact OV path has hundreds of roots)."""
+    for row in rows:
+        for field, found in row["fields"].items():
+            roots = found["roots"]
+            if not roots or "eigenvalues" not in roots[0]:
+                continue
+            best = min(roots, key=lambda r: r["score"])
+            tensors[f"layer{row['layer']}.{field}.eigenvalues"] = torch.tensor(
+                [r["eigenvalues"] for r in roots], dtype=torch.float32)
+            for root in roots:
+                if root is not best:
+                    del root["eigenvalues"]
 
 
 def _critical_totals(rows: list[dict], fields) -> dict:
