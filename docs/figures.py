@@ -372,21 +372,28 @@ def results_critical() -> str:
     names = {"attention": "OV-only `P_u F_A`", "ffn": "FFN-only `P_u Phi(N_2(u))`", "full": "full (additive)"}
     out = []
     for model, folder in (("SmolLM2-135M", "geometry/critical"), ("Gemma-3-270M", "geometry/gemma3_critical")):
-        refined, paper = report(f"{folder}/report.json"), report(f"{folder}_paper/report.json")
-        layers = len(refined["layers"])
+        if not (RESULTS / folder / "report.json").is_file():
+            continue
+        refined = report(f"{folder}/report.json")
+        paper = report(f"{folder}_paper/report.json") if (RESULTS / f"{folder}_paper" / "report.json").is_file() else None
         rows = []
         for f in refined["fields"]:
-            t, p = refined["totals"][f], paper["totals"][f]
+            t = refined["totals"][f]
             path = "exact (M)" if all(r["fields"][f]["path"].startswith("exact") for r in refined["layers"]) else \
                 f"search: {t['converged']} of {t['refined']} refined converged"
-            rows.append([names[f], path, *_critical_row(t, True), f"{p['converged']}: {_critical_row(p, False)[2]}",
-                         PAPER_TABLE_2[f][0]])
-        out.append(f"**{model}** ({layers} layers, {refined['random_starts']} random + {refined['token_starts']} token "
-                   f"starts per layer and field, {minutes(refined['seconds'])} refined / {minutes(paper['seconds'])} paper "
-                   f"protocol; [refined]({folder}/report.md), [paper protocol]({folder}_paper/report.md)):\n\n"
-                   + table(["field", "roots found by", "roots", "attractor", "saddle", "repeller",
-                            "mean unstable share", "paper protocol: converged starts: saddles", "paper, Pythia-1.4B saddles"],
-                           rows, "---|---|---:|---:|---:|---:|---:|---|---:"))
+            row = [names[f], path, *_critical_row(t, True)]
+            if paper:
+                p = paper["totals"][f]
+                row.append(f"{p['converged']}: {_critical_row(p, False)[2]}")
+            rows.append(row + [PAPER_TABLE_2[f][0]])
+        timing = (f"{minutes(refined['seconds'])} refined" + (f" / {minutes(paper['seconds'])} paper protocol" if paper else "")
+                  + f"; [refined]({folder}/report.md)" + (f", [paper protocol]({folder}_paper/report.md)" if paper else ""))
+        out.append(f"**{model}** ({len(refined['layers'])} layers, {refined['random_starts']} random + "
+                   f"{refined['token_starts']} token starts per layer and field, {timing}):\n\n"
+                   + table(["field", "roots found by", "roots", "attractor", "saddle", "repeller", "mean unstable share",
+                            *(["paper protocol: converged starts: saddles"] if paper else []),
+                            "paper, Pythia-1.4B saddles"], rows,
+                           "---|---|---:|---:|---:|---:|---:|" + ("---|" if paper else "") + "---:"))
     return "\n".join(out)
 
 
@@ -415,7 +422,7 @@ def results_pressure() -> str:
     variants = r["variants"]
     d_table = table(["factor", *variants], [[f"{f:g}", *(f"{summary[f, v]['after_attention']:.3f} / "
                                                         f"{summary[f, v]['output']:.3f}" for v in variants)]
-                                           for f in r["factors"]], "---:|" + "---|" * len(variants))
+                                           for f in r["factors"]], "---:" + "|---" * len(variants))
 
     def lifts(f, v):
         rows = [x for x in r["rows"] if x["factor"] == f and x["variant"] == v]
@@ -424,7 +431,7 @@ def results_pressure() -> str:
 
     lift_table = table(["factor", *[v for v in variants if v != "zero_ffn"]],
                        [[f"{f:g}", *(lifts(f, v) for v in variants if v != "zero_ffn")] for f in r["factors"]],
-                       "---:|" + "---|" * (len(variants) - 1))
+                       "---:" + "|---" * (len(variants) - 1))
     return (f"`hf-tangent pressure --seq_len {r['seq_len']} --max_windows {r['windows']}` (attention logit scale x factor,"
             f" 0 = uniform causal averaging; {round(r['seconds'])} s). [report](geometry/pressure/report.md), [curves]"
             "(geometry/pressure/pressure_curves.png). Mean over layers of D after attention / D at the output:\n\n"
@@ -540,7 +547,145 @@ def vllm_speed() -> str:
             f"{r['vllm_over_transformers_projected']['decode_batch32_tokens_per_s']:.2f}x as fast.\n")
 
 
+# ----------------------------------------------------------------------------- the module table of docs/core.md
+LAYERS = ("rules", "registry", "patching", "sharing", "analysis", "experiments", "commands", "serving")
+COMMAND_MODULES = "commands/<name>.py"
+
+
+def _hf_tangent_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(module-level, call-time) imports of hf_tangent modules by one file, as paths relative to hf_tangent."""
+    import ast
+
+    package = list(path.relative_to(ROOT / "hf_tangent").parent.parts)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    at_call_time = {id(n) for stmt in tree.body if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    for n in ast.walk(stmt)}
+    top, inner = set(), set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module.split(".") if node.module else []
+        if node.level:
+            base = package[:len(package) - node.level + 1] + module
+        elif module[:1] == ["hf_tangent"]:
+            base = module[1:]
+        else:
+            continue
+        names = [base] if node.module and base else [base + [alias.name] for alias in node.names]
+        (inner if id(node) in at_call_time else top).update("/".join(n) for n in names)
+    return top, inner - top
+
+
+def _module_of(name: str, rows: dict) -> str | None:
+    """The table row a dotted import path belongs to (a module, or a package listed by its files)."""
+    for candidate in (name + ".py", name + "/__init__.py"):
+        if candidate in rows:
+            return candidate
+        if candidate.startswith("commands/") and candidate != "commands/arguments.py":
+            return COMMAND_MODULES
+    if (ROOT / "hf_tangent" / name).is_dir():
+        return name + "/"
+    return None
+
+
+def _short(name: str, importer: str) -> str:
+    here = importer.rsplit("/", 1)[0] + "/" if "/" in importer else ""
+    return name.removeprefix(here).replace("/", ".") if here and name.startswith(here) else name.replace("/", ".")
+
+
+def core_modules(body: str) -> str:
+    """The module table: layer and description kept from the page; lines and imports read from the source; the
+    layering (each module imports at module level only modules of its own or an earlier layer) checked."""
+    rows = {}
+    for line in body.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        module = cells[1].strip("`").split("` (")[0].strip("`")
+        rows[module] = (cells[0], cells[3])
+    files = sorted(p.relative_to(ROOT / "hf_tangent").as_posix() for p in (ROOT / "hf_tangent").rglob("*.py")
+                   if p.name != "__init__.py")
+    commands = [f for f in files if f.startswith("commands/") and f != "commands/arguments.py"]
+    listed = {f for f in files if f not in commands} | {COMMAND_MODULES}
+    missing, unknown = sorted(listed - set(rows)), sorted(set(rows) - listed)
+    if missing or unknown:
+        raise ValueError(f"docs/core.md module table: add rows for {missing}, remove rows for {unknown}")
+    problems, out = [], []
+    for module, (layer, what) in rows.items():
+        paths = commands if module == COMMAND_MODULES else [module]
+        if layer not in LAYERS:
+            raise ValueError(f"docs/core.md: layer {layer!r} of {module} is not one of {LAYERS}")
+        top, inner = set(), set()
+        for path in paths:
+            t, i = _hf_tangent_imports(ROOT / "hf_tangent" / path)
+            top |= t
+            inner |= i
+        for name in sorted(top):
+            target = _module_of(name, rows)
+            target_layer = rows[target][0] if target in rows else (
+                max((rows[r][0] for r in rows if r.startswith(target or "-")), key=LAYERS.index, default=None))
+            if target_layer is None:
+                problems.append(f"{module} imports {name}, which is not in the table")
+            elif LAYERS.index(target_layer) > LAYERS.index(layer):
+                problems.append(f"{module} ({layer}) imports {name} ({target_layer}) at module level")
+        own = module.rsplit("/", 1)[0] + "/" if "/" in module else None
+        shown = sorted({_short(n, module) for n in top if not (own and module == COMMAND_MODULES and n == "commands")})
+        later = sorted({_short(n, module) for n in inner} - set(shown))
+        imports = ", ".join(f"`{n}`" for n in shown) or "–"
+        if later:
+            imports += " (at call time: " + ", ".join(f"`{n}`" for n in later) + ")"
+        lengths = [len((ROOT / "hf_tangent" / p).read_text(encoding="utf-8").splitlines()) for p in paths]
+        lines = f"{min(lengths)}–{max(lengths)}" if len(paths) > 1 else str(lengths[0])
+        name = f"`{module}` ({len(paths)})" if module == COMMAND_MODULES else f"`{module}`"
+        out.append([layer, name, lines, what, imports])
+    if problems:
+        raise ValueError("docs/core.md: the layering is broken: " + "; ".join(problems))
+    out.sort(key=lambda row: LAYERS.index(row[0]))
+    return table(["layer", "module", "lines", "what it holds", "imports (hf_tangent)"], out, "---|---|---:|---|---")
+
+
+# ----------------------------------------------------------------------------- docs/lm-eval.md
+LM_EVAL_REPORT = "lm_eval/report.json"
+LM_EVAL_FOLDERS = {  # the saved folders of the kept run, by what they hold (tests/../recipes that made them)
+    "main_job_run/model": "calibrated gates (main job, full folder)",
+    "heal_default/runs/seed0/patch": "healed: heal_default, 40 steps (patch repo)",
+    "heal_parallel/runs/seed0/patch": "healed: heal_parallel, 40 steps (patch repo)",
+}
+
+
+def _lm_eval_label(label: str) -> str:
+    return next((name for tail, name in LM_EVAL_FOLDERS.items() if label.endswith(tail)), label)
+
+
+def lm_eval_results() -> str:
+    r = report(LM_EVAL_REPORT)
+    held_out = {row["variant"]: row["delta_nll"] for row in report("eval_smollm2.json")["rows"]}
+    out = [f"`hf-tangent lm-eval` on {r['model']}, {r['limit']} items per task, {r['num_fewshot'] or 0}-shot, "
+           f"{minutes(r['seconds'])} on this 2-core CPU ([report](results/lm_eval/report.md)); differences against the "
+           f"unpatched model over the same items with a 95% paired bootstrap interval ({r['bootstrap']} resamples); "
+           "the last column is the variant's held-out Delta L from `hf-tangent eval` (README), for the update rules.\n"]
+    for task in r["tasks"]:
+        metrics = [m for m in ("acc", "acc_norm", "perplexity")
+                   if any(f"{m},none" in res.get(task, {}) for res in r["results"].values())]
+        paired = [m for m in ("acc", "acc_norm") if any(m in p.get(task, {}) for p in r["paired"].values())]
+        rows = []
+        for variant in r["variants"]:
+            values, p = r["results"][variant][task], r["paired"].get(variant, {}).get(task, {})
+            cells = [f"{values[f'{m},none']:.4g}" + (f" ± {values[f'{m}_stderr,none']:.3f}"
+                                                     if isinstance(values.get(f"{m}_stderr,none"), float) else "")
+                     for m in metrics]
+            cells += ["-" if m not in p else f"{signed(p[m]['diff'], 4)} [{signed(p[m]['low'], 4)}, {signed(p[m]['high'], 4)}]"
+                      for m in paired]
+            delta = held_out.get(variant)
+            rows.append([_lm_eval_label(variant), *cells, "-" if delta is None else signed(delta, 4)])
+        n = r["n_samples"][r["variants"][0]][task]
+        out.append(f"**{task}** ({n['effective']} of {n['original']} items)\n\n" + table(
+            ["variant", *metrics, *[f"delta {m} [95% CI]" for m in paired], "held-out Delta L"], rows,
+            "---" + "|---:" * (len(metrics) + len(paired) + 1)))
+    return "\n".join(out)
+
+
 REGIONS = {
+    "lm-eval-results": lm_eval_results,
+    "core-modules": core_modules,
     "vllm-speed": vllm_speed,
     "patch-repo-sizes": patch_repo_sizes,
     "performance-tables": performance_tables,
@@ -596,7 +741,10 @@ def render(text: str) -> str:
         name = match.group("name")
         if name not in REGIONS:
             raise KeyError(f"unknown figures region {name!r}; known: {', '.join(REGIONS)}")
-        return match.group(1) + REGIONS[name]() + match.group(4)
+        renderer = REGIONS[name]
+        # a renderer with a parameter keeps what the page itself holds (descriptions) and renders the rest
+        body = renderer(match.group("body")) if renderer.__code__.co_argcount else renderer()
+        return match.group(1) + body + match.group(4)
 
     return REGION.sub(fill, text)
 

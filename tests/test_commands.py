@@ -135,9 +135,7 @@ def test_kept_report_pages_are_in_sync_with_their_json(name):
     assert text(report.to_markdown()) == text(kept)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="the critical page's mean unstable shares are computed by the renderer; issue 22 rewrites it"))
-    if n == "geometry/critical/report.json" else n for n in KEPT_REPORTS])
+@pytest.mark.parametrize("name", KEPT_REPORTS)
 def test_every_number_on_a_kept_report_page_is_in_its_json(name):
     """Independent of the renderer: each decimal number on the page is a value of the JSON (to the
     digits printed), a difference from the report's reference value (heal: the unpatched NLL), or a

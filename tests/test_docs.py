@@ -5,6 +5,8 @@ outside them is typed by hand unless it is a listed constant (a setting, a thres
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import figures  # noqa: E402
@@ -21,3 +23,16 @@ def test_a_number_typed_into_a_region_or_beside_it_is_caught():
     assert figures.render(edited) == text  # rendering puts the report's value back: --check sees the difference
     assert figures.stray_numbers("README.md", text + "\nA measured 0.4321 typed by hand.\n") == ["0.4321"]
     assert figures.stray_numbers("README.md", text) == []
+
+
+def test_the_module_table_checks_the_layering_and_lists_every_module():
+    text = (ROOT / "docs" / "core.md").read_text(encoding="utf-8")
+    body = next(m for m in figures.REGION.finditer(text) if m.group("name") == "core-modules").group("body")
+    assert figures.core_modules(body) == body
+    # patching.py imports discovery (registry layer) at module level: moved into the rules layer, that breaks
+    moved = body.replace("| patching | `patching.py` |", "| rules | `patching.py` |")
+    with pytest.raises(ValueError, match=r"patching.py \(rules\) imports discovery \(registry\) at module level"):
+        figures.core_modules(moved)
+    dropped = "\n".join(line for line in body.splitlines() if "`ranges.py`" not in line)
+    with pytest.raises(ValueError, match=r"add rows for \['ranges.py'\]"):
+        figures.core_modules(dropped)

@@ -57,11 +57,18 @@ def transformers_greedy(model, tokenizer) -> list[dict]:
     return rows
 
 
-def assert_same(served: dict, expected: list[dict]):
+def logprob_gap(served: dict, expected: list[dict]) -> float:
+    """The largest |logprob| difference over every generated token, after checking the tokens are equal."""
     assert "outputs" in served, served
+    gaps = []
     for got, want in zip(served["outputs"], expected, strict=True):
         assert got["tokens"] == want["tokens"]
-        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 1e-4
+        gaps += [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)]
+    return max(gaps)
+
+
+def assert_same(served: dict, expected: list[dict], tolerance: float = 1e-4):
+    assert logprob_gap(served, expected) < tolerance
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +139,23 @@ def test_a_family_the_plugin_does_not_serve_is_refused_by_name(tmp_path):
 
 
 def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
+    """On the real 30-layer model vLLM's CPU kernels and transformers' round differently even unpatched
+    (measured here on the base folder): the patched folder gives transformers' tokens, with a logprob gap
+    of the same order as the base model's (within 1e-4 or twice the base gap)."""
     from hf_tangent.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    base_expected = transformers_greedy(model, tokenizer)
+    base_gap = logprob_gap(serve(tmp_path / "base", tmp_path), base_expected)
     ht.patch(model, ht.TangentConfig(update="projected", layers=list(range(0, 30, 2)), parallel_layers=[6, 7, 8, 9]))
     ht.save_hub_folder(model, tmp_path / "smollm2", tokenizer=tokenizer)
-    assert_same(serve(tmp_path / "smollm2", tmp_path), transformers_greedy(model, tokenizer))
+    expected = transformers_greedy(model, tokenizer)
+    # the patch changes the output far beyond the tolerance: serving the base would fail here
+    assert any(e["tokens"] != b["tokens"] for e, b in zip(expected, base_expected, strict=True)) or \
+        max(abs(x - y) for e, b in zip(expected, base_expected, strict=True)
+            for x, y in zip(e["logprobs"], b["logprobs"], strict=True)) > 1e-2
+    patched_gap = logprob_gap(serve(tmp_path / "smollm2", tmp_path), expected)
+    print(f"SmolLM2 logprob gap vLLM vs transformers: base {base_gap:.2e}, patched {patched_gap:.2e}")
+    assert patched_gap < max(1e-4, 2 * base_gap)
