@@ -7,7 +7,9 @@ In vLLM's environment (tests/test_vllm.py says how to make it). Variants: the un
 Per variant: prefill tokens/s (16 prompts of 256 tokens, 1 new token), decode tokens/s at batch 1
 (one request, 64 new tokens) and at 32 concurrent requests (64 new tokens each); each measured
 `--repeats` times, median. Beside them: transformers `generate` on the patched model (batch 1 and
-batch 32, the same tokens), for the vLLM / transformers ratio. Engines are started one after the
+batch 32, the same tokens), for the vLLM / transformers ratio; and per variant the agreement with
+transformers at these settings (tests/vllm_worker.py's prompts and length, greedy): whether the tokens
+are equal and the largest logprob gap. Engines are started one after the
 other (a CPU runs one well), so the ratios carry the machine's drift between them: see the repeats.
 """
 
@@ -24,6 +26,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_worker import PROMPTS, TOKENS  # noqa: E402  (the prompts the tests compare on)
+
 PARALLEL = {"parallel 8": [6, 7, 8, 9, 20, 21, 22, 23], "parallel 12": [6, 7, 8, 9, 20, 21, 22, 23, 24, 25, 26, 27]}
 
 
@@ -59,13 +64,39 @@ def vllm_rates(folder: Path, tokenizer, repeats: int, eager: bool = True) -> dic
         out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         return tokens_of(out) / (time.perf_counter() - start)
 
-    result = {}
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1), use_tqdm=False)
+    result = {"greedy": [{"tokens": list(o.outputs[0].token_ids),
+                          "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]}
+                         for o in greedy]}
     for _ in range(repeats):
         for key, value in (("prefill_tokens_per_s", rate(long, 1, lambda out: sum(len(o.prompt_token_ids) for o in out))),
                            ("decode_batch1_tokens_per_s", rate(short[:1], 64, lambda out: 64)),
                            ("decode_batch32_tokens_per_s", rate(short, 64, lambda out: 64 * len(out)))):
             result.setdefault(key, []).append(value)
-    return {k: statistics.median(v) for k, v in result.items()} | {"repeats": repeats}
+    return {k: v if k == "greedy" else statistics.median(v) for k, v in result.items()} | {"repeats": repeats}
+
+
+def agreement(folder: Path, served: list[dict], tokenizer) -> dict:
+    """transformers' greedy tokens and logprobs on the same folder (patched: ht.from_pretrained) against vLLM's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_tangent as ht
+
+    patched = "hf_tangent" in json.loads((Path(folder) / "config.json").read_text())
+    model = (ht.from_pretrained(folder) if patched else AutoModelForCausalLM.from_pretrained(folder)).eval()
+    equal, gap = True, 0.0
+    for prompt, got in zip(PROMPTS, served, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        equal &= tokens == got["tokens"]
+        if tokens == got["tokens"]:
+            gap = max(gap, *(abs(torch.log_softmax(s[0].double(), -1)[t].item() - lp)
+                             for s, t, lp in zip(out.scores, tokens, got["logprobs"], strict=True)))
+    return {"tokens_equal": equal, "max_logprob_gap": gap if equal else None}
 
 
 def transformers_rates(folder: Path, tokenizer, repeats: int) -> dict:
@@ -101,10 +132,11 @@ def main(argv=None) -> dict:
         paths = folders(Path(tmp))
         rows = {name: vllm_rates(path, tokenizer, args.repeats, not args.cuda_graphs) for name, path in paths.items()}
         hf = transformers_rates(paths["projected"], tokenizer, args.repeats)
+        agree = {name: agreement(path, rows[name].pop("greedy"), tokenizer) for name, path in paths.items()}
     base = rows["unpatched"]
     result = {"benchmark": "vllm_speed", "model": "smollm2-135m", "vllm": vllm.__version__, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "dtype": "float32", "enforce_eager": not args.cuda_graphs, "vllm_rates": rows,
-              "transformers_rates_projected": hf,
+              "transformers_rates_projected": hf, "agreement": agree, "agreement_prompts": len(PROMPTS), "agreement_tokens": TOKENS,
               "ratios": {name: {k: rows[name][k] / base[k] for k in base if k != "repeats"} for name in rows},
               "vllm_over_transformers_projected": {k: rows["projected"][k] / hf[k] for k in hf if k != "repeats"}}
     text = json.dumps(result, indent=2)

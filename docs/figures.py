@@ -534,13 +534,18 @@ def vllm_speed() -> str:
     r = report("benchmarks/results/vllm_cpu.json")
     keys = [("prefill_tokens_per_s", "prefill"), ("decode_batch1_tokens_per_s", "decode, batch 1"),
             ("decode_batch32_tokens_per_s", "decode, 32 concurrent")]
-    rows = [[name, *(f"{r['vllm_rates'][name][k]:.0f} tok/s ({r['ratios'][name][k]:.2f}x)" for k, _ in keys)]
+    agree = r["agreement"]
+    rows = [[name, *(f"{r['vllm_rates'][name][k]:.0f} tok/s ({r['ratios'][name][k]:.2f}x)" for k, _ in keys),
+             "equal" if agree[name]["tokens_equal"] else "differ",
+             "-" if agree[name]["max_logprob_gap"] is None else f"{agree[name]['max_logprob_gap']:.1e}"]
             for name in r["vllm_rates"]]
     hf = r["transformers_rates_projected"]
     return (f"vLLM {r['vllm']} on this CPU ({r['threads']} threads, {r['dtype']}, eager), SmolLM2-135M; throughput and "
             f"ratio to the unpatched folder served the same way, median of {r['vllm_rates']['unpatched']['repeats']} "
-            "repeats (`benchmarks/vllm_speed.py`, [benchmarks/results/vllm_cpu.json](../benchmarks/results/vllm_cpu.json)):"
-            "\n\n" + table(["variant", *(label for _, label in keys)], rows)
+            "repeats (`benchmarks/vllm_speed.py`, [benchmarks/results/vllm_cpu.json](../benchmarks/results/vllm_cpu.json))"
+            f"; the last two columns compare vLLM's greedy output with transformers' on the same folder "
+            f"({r['agreement_prompts']} prompts x {r['agreement_tokens']} tokens, tests/vllm_worker.py's):"
+            "\n\n" + table(["variant", *(label for _, label in keys), "greedy tokens", "largest logprob gap"], rows)
             + f"\ntransformers `generate` on the `projected` folder: {hf['decode_batch1_tokens_per_s']:.0f} tok/s at batch 1, "
             f"{hf['decode_batch32_tokens_per_s']:.0f} tok/s at batch 32; vLLM serves it "
             f"{r['vllm_over_transformers_projected']['decode_batch1_tokens_per_s']:.2f}x and "

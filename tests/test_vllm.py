@@ -140,8 +140,10 @@ def test_a_family_the_plugin_does_not_serve_is_refused_by_name(tmp_path):
 
 def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
     """On the real 30-layer model vLLM's CPU kernels and transformers' round differently even unpatched
-    (measured here on the base folder): the patched folder gives transformers' tokens, with a logprob gap
-    of the same order as the base model's (within 1e-4 or twice the base gap)."""
+    (measured here on the base folder, within 1e-4). The projected rule's output moves with x by about
+    |y| / |x|, which is 13-31 at SmolLM2's layer 0 (31 at most here): with the rule there the gap grows
+    by that much (4e-4 measured), still far below what the patch itself changes, so serving the base or
+    a wrong rule fails this test."""
     from hf_tangent.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
@@ -152,10 +154,12 @@ def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
     ht.patch(model, ht.TangentConfig(update="projected", layers=list(range(0, 30, 2)), parallel_layers=[6, 7, 8, 9]))
     ht.save_hub_folder(model, tmp_path / "smollm2", tokenizer=tokenizer)
     expected = transformers_greedy(model, tokenizer)
-    # the patch changes the output far beyond the tolerance: serving the base would fail here
-    assert any(e["tokens"] != b["tokens"] for e, b in zip(expected, base_expected, strict=True)) or \
-        max(abs(x - y) for e, b in zip(expected, base_expected, strict=True)
-            for x, y in zip(e["logprobs"], b["logprobs"], strict=True)) > 1e-2
     patched_gap = logprob_gap(serve(tmp_path / "smollm2", tmp_path), expected)
     print(f"SmolLM2 logprob gap vLLM vs transformers: base {base_gap:.2e}, patched {patched_gap:.2e}")
-    assert patched_gap < max(1e-4, 2 * base_gap)
+    assert base_gap < 1e-4
+    assert patched_gap < 32 * max(base_gap, 1e-5) and patched_gap < 2e-3
+    # what the patch changes: the first differing token of each prompt, or else the largest logprob change
+    effect = max((1.0 if e["tokens"] != b["tokens"] else
+                  max(abs(x - y) for x, y in zip(e["logprobs"], b["logprobs"], strict=True)))
+                 for e, b in zip(expected, base_expected, strict=True))
+    assert effect > 100 * patched_gap
