@@ -207,7 +207,7 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
     """Load a patched model: a folder (or hub repo) written by a patched model's `save_pretrained`, or a
     patch repo written by `save_patch` (the base is loaded from its own repo, then patched).
 
-    `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
+    `path` is the folder or hub id; `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
     (dtype, device_map, attn_implementation, ...). Patch repos only: `base_model` loads the base from
     another id or a local mirror (`base_revision` its revision), `merge=True` merges LoRA adapters into
     the weights. Every mismatch between the record, the saved weights and the model raises a

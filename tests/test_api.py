@@ -145,6 +145,7 @@ def _entry_points_kwargs(tmp_path):
         "critical": dict(layers=[0], fields=["attention"], random_starts=2, token_starts=0, steps=2, **small),
         "pressure": dict(factors=[0.5], variants=["full"], **small),
         "ffn_jacobian": dict(layers=[0], tokens=2, **small),
+        "lm_eval": dict(tasks=["austen_lastword"], variants=["unpatched"], limit=2, bootstrap=10),
     }
 
 
@@ -188,6 +189,8 @@ def test_every_entry_point_leaves_a_patched_model_as_it_was(name, tiny, text, tm
     args = (ht.TangentConfig(update="projected"),) if name == "heal" else ()
     if name in ("evaluate_rules", "diagnose_layers"):  # analysed as they are
         function(model, *args, tokenizer=tokenizer, text=text, progress=False, **_entry_points_kwargs(tmp_path)[name])
+    elif name == "lm_eval":  # scored as given, next to the variants (its own text: the Austen tasks)
+        function(model, tokenizer=tokenizer, **_entry_points_kwargs(tmp_path)[name])
     else:
         with pytest.raises(ValueError, match=rf"hf_tangent.{name} works on the unpatched model, and this model is patched"):
             function(model, *args, tokenizer=tokenizer, text=text, **_entry_points_kwargs(tmp_path)[name])
@@ -203,6 +206,9 @@ def test_every_entry_point_leaves_an_unpatched_model_unpatched(name, tiny, text,
     if name == "diagnose_layers":  # patches the model with the variant for the analysis
         kwargs = kwargs | {"update": "projected"}
     args = (ht.TangentConfig(update="projected"),) if name == "heal" else ()
-    kwargs |= {} if name in ("finetune", "heal", "calibrate_gates") else {"progress": False}
-    getattr(ht, name)(model, *args, tokenizer=tokenizer, text=text, **kwargs)
+    if name == "lm_eval":  # its own text (the Austen tasks), no progress option
+        ht.lm_eval(model, tokenizer=tokenizer, **kwargs)
+    else:
+        kwargs |= {} if name in ("finetune", "heal", "calibrate_gates") else {"progress": False}
+        getattr(ht, name)(model, *args, tokenizer=tokenizer, text=text, **kwargs)
     assert _same(before, _state(model))
