@@ -4,6 +4,8 @@ differences against the unpatched model from lm-eval's per-sample outputs."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..ablation import paired_bootstrap
@@ -45,6 +47,9 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
     unknown = [v for v in variants if v not in known]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; accepted: {', '.join(known)} (and --model_folders for saved ones).")
+    if include_path is not None and not os.path.isdir(include_path):  # lm-eval itself skips a missing folder silently
+        raise ValueError(f"hf_tangent.lm_eval: include_path={include_path!r} is not a folder; accepted: a folder of "
+                         "lm-eval task YAMLs.")
     manager = task_manager(include_path)
     missing = [t for t in tasks if not manager.match_tasks([t])]
     if missing:

@@ -588,6 +588,106 @@ def heal_cases(tmp: Path, folder: Path):
               and not isinstance(ht.heal, type(ht)))
 
 
+def adapters_cases(tmp: Path, folder: Path):
+    """Patch repos (save_patch / from_pretrained / export_full_folder): damaged or mismatched repos are one
+    clear error; an existing folder survives a failed save."""
+    from transformers import LlamaForCausalLM
+
+    from hf_tangent.adapters.repo import export_full_folder
+
+    def gated():
+        model = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
+        with torch.no_grad():
+            ht.tangent_layers(model)[0].gate.fill_(0.5)
+        return model
+
+    def edited(name, change):
+        target = ht.save_patch(gated(), tmp / "patches" / name)
+        record = json.loads((target / "hf_tangent_patch.json").read_text())
+        change(record)
+        (target / "hf_tangent_patch.json").write_text(json.dumps(record))
+        return target
+
+    unpatched = LlamaForCausalLM.from_pretrained(folder).eval()
+    expect_error("adapters", "save_patch of an unpatched model", lambda: ht.save_patch(unpatched, tmp / "p0"),
+                 "expects a model patched", unpatched)
+    expect_error("adapters", "save_patch with a model as the folder", lambda: ht.save_patch(gated(), unpatched),
+                 "", kinds=(TypeError,))
+    for case, change, message in [
+            ("format 2", lambda r: r.update(format=2), "reads format 1: upgrade"),
+            ("format '1'", lambda r: r.update(format="1"), "field 'format' must be an integer"),
+            ("base as a string", lambda r: r.update(base="HuggingFaceTB/SmolLM2-135M"), "field 'base' must hold"),
+            ("base.num_layers '2'", lambda r: r["base"].update(num_layers="2"), "field 'base' must hold"),
+            ("base.source 'ftp'", lambda r: r["base"].update(source="ftp"), "accepted: 'hub', 'local', 'offline'"),
+            ("beta=2 in the patch", lambda r: r["patch"]["config"].update(beta=2.0), "TangentConfig.beta"),
+            ("gates='weights.bin'", lambda r: r.update(gates="weights.bin"), "accepted: 'gates.safetensors' or null"),
+            ("adapters='lora'", lambda r: r.update(adapters="lora"), "accepted: 'adapter' or null"),
+            ("patched_layers [0]", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
+            ("num_layers 3", lambda r: r["base"].update(num_layers=3), "num_layers 3 (recorded) vs 2"),
+            ("another fingerprint", lambda r: r["base"]["fingerprint"].update(value="0" * 64), "the weights differ")]:
+        expect_error("adapters", f"record: {case}", lambda c=case, f=change: ht.from_pretrained(edited(c, f)), message)
+    damaged = ht.save_patch(gated(), tmp / "patches" / "damaged")
+    (damaged / "gates.safetensors").write_bytes(b"\x00" * 16)
+    expect_error("adapters", "gates file of 16 zero bytes", lambda: ht.from_pretrained(damaged),
+                 "not a readable safetensors file")
+    expect_error("adapters", "model_class= for a patch repo", lambda: ht.from_pretrained(
+        ht.save_patch(gated(), tmp / "patches" / "mc"), model_class=LlamaForCausalLM), "model_class= is not accepted")
+    expect_error("adapters", "merge=True for a full folder", lambda: ht.from_pretrained(folder, merge=True),
+                 "apply to patch repos")
+    expect_error("adapters", "export of a folder that is not a patch repo", lambda: export_full_folder(
+        folder, tmp / "exported"), "hf_tangent_patch.json could not be read")
+
+    def failed_save_leaves_the_folder():
+        target = tmp / "patches" / "kept"
+        ht.save_patch(gated(), target)
+        before = {p.name: p.read_bytes() for p in target.iterdir()}
+        with contextlib.suppress(ValueError):
+            ht.save_patch(unpatched, target)
+        return before == {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def round_trip():
+        model = gated()
+        loaded = ht.from_pretrained(ht.save_patch(model, tmp / "patches" / "rt"))
+        return torch.equal(logits(model), logits(loaded)) and ht.get_config(loaded) == ht.get_config(model)
+
+    expect_ok("adapters", "a failed save_patch leaves the existing folder as it was", failed_save_leaves_the_folder)
+    expect_ok("adapters", "save_patch -> from_pretrained gives identical logits", round_trip)
+
+
+def lm_eval_cases(tmp: Path, folder: Path):
+    """ht.lm_eval: every option refused before a model is loaded; a patched model is scored and given back as it was."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return expect_error("lm_eval", "without lm-eval installed", lambda: ht.lm_eval(str(folder)), "pip install")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    small = dict(tasks=["austen_lastword"], variants=["unpatched"], limit=2, bootstrap=10)
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    for case, kwargs, message in [
+            ("variants=['tangent']", dict(variants=["tangent"]), "unknown variants ['tangent']; accepted:"),
+            ("tasks=['no_such_task']", dict(tasks=["no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
+            ("limit=0", dict(limit=0), "limit=0 is out of range"),
+            ("num_fewshot=-1", dict(num_fewshot=-1), "num_fewshot=-1 is out of range"),
+            ("batch_size=0", dict(batch_size=0), "batch_size=0 is out of range"),
+            ("bootstrap=0", dict(bootstrap=0), "bootstrap=0 is out of range"),
+            ("include_path of a missing folder", dict(include_path=str(tmp / "missing")), "is not a folder; accepted")]:
+        expect_error("lm_eval", case, lambda k=kwargs: ht.lm_eval(model, tokenizer=tokenizer, **(small | k)), message, model,
+                     kinds=(ValueError, TypeError, FileNotFoundError))
+    expect_error("lm_eval", "a model folder that does not exist", lambda: ht.lm_eval(
+        model, tokenizer=tokenizer, model_folders=[str(tmp / "missing")], **small), "missing", model,
+        kinds=(ValueError, OSError))
+
+    def patched_model_scored_as_given():
+        m = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
+        before = fingerprint(m)
+        report = ht.lm_eval(m, tokenizer=tokenizer, **small)
+        return same(before, fingerprint(m)) and report.data["variants"] == ["as given", "unpatched"]
+
+    expect_ok("lm_eval", "a patched model is scored as given and comes back unchanged", patched_model_scored_as_given)
+
+
 def tiny_model_folder(tmp: Path) -> Path:
     """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -617,6 +717,8 @@ GROUPS = {
     "describe": lambda tmp, folder: describe_cases(),
     "analysis": analysis_cases,
     "heal": heal_cases,
+    "adapters": adapters_cases,
+    "lm_eval": lm_eval_cases,
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
 PASSING = ("ok", "clear")
