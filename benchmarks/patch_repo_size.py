@@ -4,7 +4,9 @@
     python benchmarks/patch_repo_size.py --output benchmarks/results/patch_repo_cpu.json   # ~5 min, 2 cores
 
 The runs are short (their weights do not change the sizes); reload: `ht.from_pretrained` of each
-artifact, 3 interleaved repeats, median (the patch repo's base comes from the offline cache).
+artifact, 3 interleaved repeats, median (the patch repo's base comes from the offline cache); the
+logits of the two reloads on one Austen window are compared (identical for gates; for LoRA the
+complete folder holds merged weights, so rounding differs).
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def reload_seconds(folders: dict[str, Path], repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def logits_gap(folders: dict[str, Path]) -> float:
+    """Largest |logit| difference between the reloaded patch repo and the complete folder on 64 Austen tokens."""
+    from hf_tangent.data import load_documents, pack_windows
+    from hf_tangent.models import load_tokenizer
+
+    ids = pack_windows(load_tokenizer("smollm2-135m"), load_documents(), seq_len=64, max_windows=1)[:1]
+    out = []
+    for folder in folders.values():
+        with torch.no_grad():
+            out.append(ht.from_pretrained(folder).eval()(ids).logits)
+    return (out[0] - out[1]).abs().max().item()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -59,7 +74,8 @@ def main(argv=None) -> dict:
             seconds = reload_seconds({"patch": patch, "full": full}, args.repeats)
             result["runs"][run] = {"patch_bytes": size(patch), "full_bytes": size(full),
                                    "patch_files": sorted(str(p.relative_to(patch)) for p in patch.rglob("*") if p.is_file()),
-                                   "reload_patch_s": seconds["patch"], "reload_full_s": seconds["full"]}
+                                   "reload_patch_s": seconds["patch"], "reload_full_s": seconds["full"],
+                                   "logits_max_abs_diff": logits_gap({"patch": patch, "full": full})}
     return emit(result, args.output)
 
 

@@ -524,10 +524,12 @@ def patch_repo_sizes() -> str:
         return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
     rows = [[run, mb(x["patch_bytes"]), mb(x["full_bytes"]), f"{x['full_bytes'] / x['patch_bytes']:.0f}x",
-             f"{x['reload_patch_s']:.1f} s", f"{x['reload_full_s']:.1f} s", ", ".join(f"`{f}`" for f in x["patch_files"])]
+             f"{x['reload_patch_s']:.1f} s", f"{x['reload_full_s']:.1f} s",
+             "identical" if x["logits_max_abs_diff"] == 0 else f"{x['logits_max_abs_diff']:.1e}",
+             ", ".join(f"`{f}`" for f in x["patch_files"])]
             for run, x in r["runs"].items()]
     return table(["run", "patch repo", "complete folder", "smaller by", "reload (patch repo)", "reload (folder)",
-                  "patch repo files"], rows, "---|---:|---:|---:|---:|---:|---")
+                  "logits, patch repo vs folder", "patch repo files"], rows, "---|---:|---:|---:|---:|---:|---:|---")
 
 
 def vllm_speed() -> str:
@@ -652,7 +654,8 @@ LM_EVAL_REPORT = "lm_eval/report.json"
 LM_EVAL_FOLDERS = {  # the saved folders of the kept run, by what they hold (tests/../recipes that made them)
     "main_job_run/model": "calibrated gates (main job, full folder)",
     "heal_default/runs/seed0/patch": "healed: heal_default, 40 steps (patch repo)",
-    "heal_parallel/runs/seed0/patch": "healed: heal_parallel, 40 steps (patch repo)",
+    "heal_long/runs/seed0/patch": "healed: heal_long, 120 steps (patch repo)",
+    "heal_parallel/runs/seed0/patch": "healed: heal_parallel (8 parallel layers), 40 steps (patch repo)",
 }
 
 
