@@ -412,7 +412,8 @@ def critical_markdown(report: dict) -> str:
     fields, refined = report["fields"], report.get("protocol", "paper") == "refined"
     if refined:
         what = (f"critical directions = roots of g = P_u F refined in float64 to a zero score < {report['tol']:g} "
-                f"(at most {report['max_iter']} Newton steps) from every start whose search (Adam, {report['steps']} steps) "
+                f"(at most {report['max_iter']} Newton steps, up to 4x that for a row already below 1e-4; 'stalled': the "
+                "damped step no longer lowers the residual, 'unfinished': the step cap reached) from every start whose search (Adam, {report['steps']} steps) "
                 f"ended below {report['threshold']:g}; distinct by angle (u and -u one line for an odd field); typed by "
                 "the signs of the tangent spectrum (flagged where the smallest |Re lambda| is at rounding level)")
     else:
@@ -423,7 +424,8 @@ def critical_markdown(report: dict) -> str:
              f"Reduced fields per layer ({report['composition']}); {what}; from {report['random_starts']} random and "
              f"{report['token_starts']} token starts per layer ({report['windows']} windows x {report['seq_len']} tokens "
              f"of {report['text']}); {report['seconds']} s. Directions: `{report.get('directions_file', '-')}`.", ""]
-    header = ["field", "path", "starts", "below threshold", "refined", "converged", "stalled", "roots", "attractor",
+    header = ["field", "path", "starts", "below threshold", "refined", "converged", "stalled", "unfinished", "roots",
+              "attractor",
               "saddle", "repeller", "neutral", "flagged", "mean unstable share"] if refined else [
               "field", "starts", "converged", "distinct candidates", "attractor", "saddle", "repeller", "neutral",
               "mean unstable share"]
@@ -434,7 +436,8 @@ def critical_markdown(report: dict) -> str:
         pct = lambda k, t=t, n=n: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
         share = "-" if t.get("mean_unstable_share") is None else f"{t['mean_unstable_share']:.3f}"
         paths = sorted({r["fields"][f]["path"].split(" (")[0] for r in report["layers"]})
-        cells = ([f, "/".join(paths), t["starts"], t["below_threshold"], t["refined"], t["converged"], t["stalled"], n]
+        cells = ([f, "/".join(paths), t["starts"], t["below_threshold"], t["refined"], t["converged"], t["stalled"],
+                  t.get("unfinished", "-"), n]
                  if refined else [f, t["starts"], t["converged"], n])
         cells += [pct("attractor"), pct("saddle"), pct("repeller"), pct("neutral")]
         cells += [t["flagged"], share] if refined else [share]

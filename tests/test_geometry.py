@@ -107,7 +107,8 @@ def test_refined_roots_of_a_field_with_two_eigenvalues_2_percent_apart_are_exact
     field = lambda u: u @ matrix.T  # noqa: E731
     truth = geometry.unit(basis.T)  # (8, d): the eigenvectors
     starts = torch.randn(200, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    u, scores, converged, _ = geometry.newton_roots(field, starts, tol=1e-10, max_iter=60)
+    u, scores, outcome, _ = geometry.newton_roots(field, starts, tol=1e-10, max_iter=60)
+    converged = outcome == 0
     assert converged.sum() > 100
     roots = u[converged][geometry.distinct_roots(u[converged], scores[converged], odd=True)]
     cos = (roots @ truth.T).abs()
@@ -203,7 +204,8 @@ def test_refined_critical_directions_on_every_architecture(arch):
                         _independent_ov(layer, model.config.rms_norm_eps, 2))
     fields = geometry.LayerFields(model, 1)  # float32, the model's own replay
     for name, found in result["fields"].items():
-        assert found["refined"] == found["converged"] + found.get("stalled", 0) if found["path"] == "search" else True
+        assert found["refined"] == found["converged"] + found["stalled"] + found["unfinished"] \
+            if found["path"] == "search" else True
         for u in found["directions"]:
             value = fields.field(name)(u[None].float())
             assert geometry.zero_score(value, u[None].float()).item() < 1e-5  # float32 replay: 1e-6 in float64
@@ -242,7 +244,7 @@ def test_full_field_roots_of_a_real_smollm2_layer_at_the_default_settings(smollm
         assert geometry.zero_score(value[None], u[None]).item() < 1e-6
     full = report["layers"][0]["fields"]["full"]
     assert full["refined"] == full["below_threshold"] - full["merged_before_refining"]
-    assert full["converged"] + full["stalled"] == full["refined"]
+    assert full["converged"] + full["stalled"] + full["unfinished"] == full["refined"]
 
 
 def test_the_search_is_deterministic_per_seed():
@@ -426,3 +428,23 @@ def test_geometry_commands(tiny_lm_folder, austen_dir, tmp_path, capsys):
     assert cli.main(["ffn-jacobian", *common, "--ablation-report", str(tmp_path / "p" / "report.json"),
                      "--output-dir", str(tmp_path / "y")]) == 2
     assert "not an `ablate` report" in capsys.readouterr().err
+
+
+def test_a_root_the_step_cap_reaches_late_is_refined_to_the_end_and_outcomes_are_told_apart():
+    """A cap must not decide whether a root is counted: a row below sphere.BASIN at max_iter goes on (up
+    to 4 x max_iter) and converges; a row far from any root at the cap is 'unfinished', not 'stalled'
+    (that is: the damped step no longer lowers the residual)."""
+    matrix, basis, values = _two_close_eigenvalues()
+    field = lambda u: u @ matrix.T  # noqa: E731
+    truth = geometry.unit(basis.T)
+    near = geometry.unit(truth[:1] + 1e-3 * torch.randn(1, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    u, scores, outcome, iterations = geometry.newton_roots(field, near, tol=1e-14, max_iter=1)
+    assert scores[0] < geometry.BASIN and outcome.tolist() == [0] and 1 < iterations[0] <= 4  # went on past the cap
+    assert 1 - (u[0] @ truth[0]).abs() < 1e-12
+    far = torch.randn(3, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    _, scores, outcome, iterations = geometry.newton_roots(field, far, tol=1e-14, max_iter=1)
+    assert (scores > geometry.BASIN).all() and outcome.tolist() == [2, 2, 2] and iterations.tolist() == [1, 1, 1]
+    rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64)  # F(u) = J u is tangent everywhere: no root
+    _, scores, outcome, iterations = geometry.newton_roots(lambda u: u @ rotation.T, torch.tensor([[0.6, 0.8]],
+                                                                                                dtype=torch.float64), max_iter=40)
+    assert outcome.tolist() == [1] and iterations[0] < 40 and abs(scores[0] - 1) < 1e-12  # stalled: nothing lowers it

@@ -134,7 +134,8 @@ def _critical_totals(rows: list[dict], fields) -> dict:
         found = [r["fields"][f] for r in rows]
         roots = [root for x in found for root in x["roots"]]
         totals[f] = {key: sum(x.get(key, 0) for x in found) for key in (
-            "starts", "below_threshold", "merged_before_refining", "refined", "converged", "stalled", "near_invariant")}
+            "starts", "below_threshold", "merged_before_refining", "refined", "converged", "stalled", "unfinished",
+            "near_invariant")}
         totals[f] |= {"roots": len(roots), "counts": dict(sum((Counter(x["counts"]) for x in found), Counter())),
                       "flagged": sum(bool(root.get("flagged")) for root in roots),
                       "mean_unstable_share": sum(root["unstable_share"] for root in roots) / len(roots) if roots else None,

@@ -21,7 +21,9 @@ from .ffn import GAIN_REGIMES, FfnProbe, gain_regimes, value_matrix
 from .fields import FIELDS, LayerFields, RunningSample, block_inputs, ffn_inputs
 from .pressure import ZERO_FACTOR, attention_pressure, pressure_diversity
 from .sphere import (
+    BASIN,
     LABELS,
+    OUTCOMES,
     analyse_critical,
     batched_jacobian,
     classify,
@@ -42,7 +44,7 @@ from .sphere import (
     zero_score,
 )
 
-__all__ = ["FIELDS", "GAIN_REGIMES", "LABELS", "PROTOCOLS", "ZERO_FACTOR", "FfnProbe", "LayerFields", "RunningSample",
+__all__ = ["BASIN", "OUTCOMES", "FIELDS", "GAIN_REGIMES", "LABELS", "PROTOCOLS", "ZERO_FACTOR", "FfnProbe", "LayerFields", "RunningSample",
            "analyse_critical", "attention_pressure", "batched_jacobian", "block_inputs", "classify", "classify_by_sign",
            "critical_directions", "descend", "distinct_roots", "effective_rank", "ffn_inputs", "find_critical",
            "gain_regimes", "is_odd", "label_counts", "linear_critical", "linear_map", "newton_roots",

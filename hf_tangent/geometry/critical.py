@@ -46,7 +46,7 @@ def critical_directions(model, index: int, token_starts: torch.Tensor, *, random
                         steps: int = 300, lr: float = 0.05, threshold: float = 0.05, protocol: str = "refined",
                         tol: float = 1e-8, max_iter: int = 20, rel_tol: float = 1e-2, seed: int = 0) -> dict:
     """The critical directions of each reduced field of layer `index` (module docstring): per field,
-    the path taken, the search's counts (starts, below `threshold`, refined, converged, stalled), the
+    the path taken, the search's counts (starts, below `threshold`, refined, converged, stalled, unfinished), the
     distinct roots with their rho, tangent-spectrum type and margin, degenerate sets, and the roots as
     unit rows (`directions`, float32, in the order of `roots`). With protocol="paper", the paper's
     thresholded candidates instead (labels with `rel_tol`, as before: not roots)."""
@@ -93,7 +93,8 @@ def _functions(low: LayerFields, high: LayerFields, matrix: torch.Tensor | None)
 
 def _search(functions, starts, *, steps, lr, threshold, tol, max_iter, d) -> dict:
     """Descent from every start; every row below `threshold` (near-duplicates merged first, counted)
-    refined by Newton / Levenberg-Marquardt in float64 to a zero score < tol, or stalled."""
+    refined by Newton / Levenberg-Marquardt in float64 to a zero score < tol, or stalled, or unfinished
+    (max_iter steps used while still above sphere.BASIN)."""
     low, high = functions
     u, scores = descend(low, starts, steps=steps, lr=lr)
     below = (scores < threshold).nonzero().flatten().tolist()
@@ -104,13 +105,15 @@ def _search(functions, starts, *, steps, lr, threshold, tol, max_iter, d) -> dic
     out = {"path": "search", "odd": odd, "starts": len(starts), "below_threshold": len(below),
            "merged_before_refining": len(below) - len(rows), "refined": len(rows), "near_invariant": len(rows)}
     if not rows:
-        return out | {"converged": 0, "stalled": 0, "roots": [], "directions": torch.zeros(0, d)}
-    refined, final, converged, iterations = newton_roots(high, u[rows].double(), tol=tol, max_iter=max_iter)
+        return out | {"converged": 0, "stalled": 0, "unfinished": 0, "roots": [], "directions": torch.zeros(0, d)}
+    refined, final, outcome, iterations = newton_roots(high, u[rows].double(), tol=tol, max_iter=max_iter)
+    converged = outcome == 0
     keep = converged.nonzero().flatten()
     distinct = [keep[i].item() for i in distinct_roots(refined[keep], final[keep], odd=odd)] if len(keep) else []
     roots = [_root(high, refined[i], final[i].item()) for i in distinct]
-    return out | {"converged": int(converged.sum()), "stalled": len(rows) - int(converged.sum()),
-                  "stalled_scores": sorted(final[~converged].tolist()), "iterations": iterations.tolist(),
+    return out | {"converged": int(converged.sum()), "stalled": int((outcome == 1).sum()),
+                  "unfinished": int((outcome == 2).sum()), "stalled_scores": sorted(final[outcome == 1].tolist()),
+                  "unfinished_scores": sorted(final[outcome == 2].tolist()), "iterations": iterations.tolist(),
                   "roots": roots, "directions": refined[distinct].float().cpu() if distinct else torch.zeros(0, d)}
 
 

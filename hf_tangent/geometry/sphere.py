@@ -117,13 +117,20 @@ def refine_critical(field_fn, u: torch.Tensor, iterations: int = 5, damping: flo
     return u
 
 
-def newton_roots(field_fn, u: torch.Tensor, *, tol: float = 1e-8, max_iter: int = 40, damping: float = 1e-6):
+BASIN = 1e-4  # a zero score this low at max_iter: inside a regular root's basin (Newton's quadratic phase)
+OUTCOMES = ("converged", "stalled", "unfinished")
+
+
+def newton_roots(field_fn, u: torch.Tensor, *, tol: float = 1e-8, max_iter: int = 40, damping: float = 1e-6,
+                 basin: float = BASIN):
     """Roots of g(u) = P_u F(u) on the sphere, refined to convergence: Levenberg-Marquardt on the
     augmented system F(u) - rho u = 0, (|u|^2 - 1) / 2 = 0 in (u, rho) (Newton's method for a
     nonlinear eigenproblem; quadratic near a regular root), in the dtype of `field_fn` (float64 for
     the roots the report counts). A row converges when its zero score ||P_u F|| / ||F|| < tol; it
-    stalls when the damped step stops lowering the residual (mu grows past 1e8).
-    Returns (u, scores, converged mask, iterations used per row)."""
+    stalls when the damped step stops lowering the residual (mu grows past 1e8); it is unfinished when
+    it used max_iter steps, except that a row already below `basin` then (about to converge: a cap must
+    not decide whether a root is counted) goes on for up to 4 x max_iter.
+    Returns (u, scores, outcome per row: 0 converged, 1 stalled, 2 unfinished (OUTCOMES), iterations per row)."""
     u = unit(u.detach())
     n, d = u.shape
     with torch.no_grad():
@@ -136,9 +143,9 @@ def newton_roots(field_fn, u: torch.Tensor, *, tol: float = 1e-8, max_iter: int 
     def residual(v, f, r):
         return torch.cat([f - r[:, None] * v, ((v * v).sum(-1, keepdim=True) - 1) / 2], dim=1)  # (n, d + 1)
 
-    for _ in range(max_iter):
+    for step_index in range(4 * max_iter):
         scores = zero_score(values, u)
-        active = (scores >= tol) & (mu < 1e8)
+        active = (scores >= tol) & (mu < 1e8) & ((step_index < max_iter) | (scores < basin))
         if not active.any():
             break
         rows = active.nonzero().flatten()
@@ -167,7 +174,8 @@ def newton_roots(field_fn, u: torch.Tensor, *, tol: float = 1e-8, max_iter: int 
         mu[rows] = torch.where(better, (mu[rows] / 10).clamp_min(1e-12), mu[rows] * 10)
         iterations[rows.cpu()] += 1
     scores = zero_score(values, u)
-    return u, scores, scores < tol, iterations
+    outcome = torch.where(scores < tol, 0, torch.where(mu >= 1e8, 1, 2))
+    return u, scores, outcome, iterations
 
 
 def distinct_roots(u: torch.Tensor, scores: torch.Tensor, *, odd: bool, angle_tol: float = 1e-6) -> list[int]:
