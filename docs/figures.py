@@ -368,6 +368,10 @@ def _critical_row(t: dict, refined: bool) -> list:
             else f"{t['mean_unstable_share']:.2f}"]
 
 
+def _closest_unfinished(report: dict, field: str) -> float:
+    return min(s for r in report["layers"] for s in r["fields"][field].get("unfinished_scores", []))
+
+
 def results_critical() -> str:
     names = {"attention": "OV-only `P_u F_A`", "ffn": "FFN-only `P_u Phi(N_2(u))`", "full": "full (additive)"}
     out = []
@@ -381,7 +385,8 @@ def results_critical() -> str:
             t = refined["totals"][f]
             path = "exact (M)" if all(r["fields"][f]["path"].startswith("exact") for r in refined["layers"]) else \
                 f"search: {t['converged']} of {t['refined']} refined converged" + (
-                    f" ({t['stalled']} stalled, {t['unfinished']} unfinished)" if "unfinished" in t else "")
+                    f" ({t['stalled']} stalled, {t['unfinished']} unfinished, the closest at "
+                    f"{_closest_unfinished(refined, f):.1e})" if t.get("unfinished") else "")
             row = [names[f], path, *_critical_row(t, True)]
             if paper:
                 p = paper["totals"][f]
