@@ -141,3 +141,21 @@ def test_lm_eval_refusals(tiny):
         ht.lm_eval(model, tokenizer, tasks=["no_such_task"])
     with pytest.raises(ValueError, match="limit=0 is out of range"):
         ht.lm_eval(model, tokenizer, limit=0)
+
+
+def test_model_folders_take_full_folders_and_patch_repos(tiny, tmp_path):
+    """A complete patched folder (save_pretrained) and a patch repo (save_patch) of the same gated model
+    score exactly what the model in memory scores (the full folder used to be refused: merge= was
+    passed for every folder, and full folders take no merge)."""
+    model, tokenizer, folder = tiny
+    from transformers import LlamaForCausalLM
+
+    patched = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        ht.tangent_layers(patched)[1].gate.fill_(0.5)
+    patched.save_pretrained(tmp_path / "full")
+    ht.save_patch(patched, tmp_path / "patch", base_model=str(folder))
+    report = ht.lm_eval(patched, tokenizer, tasks=["austen_lastword"], variants=["unpatched"], limit=LIMIT, bootstrap=50,
+                        model_folders=[str(tmp_path / "full"), str(tmp_path / "patch")])
+    results = report["results"]
+    assert results[str(tmp_path / "full")] == results[str(tmp_path / "patch")] == results["as given"]

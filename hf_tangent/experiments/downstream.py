@@ -72,9 +72,11 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
                 patch(model, known[variant])
             run(variant, model.eval())
     for folder in model_folders:
+        from ..adapters.repo import is_patch_repo
         from ..serialization import from_pretrained
 
-        loaded = from_pretrained(folder, merge=True, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
+        merge = {"merge": True} if is_patch_repo(folder) else {}  # LoRA of a patch repo merged; a full folder has none
+        loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
         run(str(folder), loaded.eval())
         del loaded
     paired = {label: _paired(runs[label], runs["unpatched"], bootstrap, seed) for label in runs if label != "unpatched"}
