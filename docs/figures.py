@@ -404,22 +404,40 @@ def results_critical() -> str:
 
 
 def results_critical_structure() -> str:
-    r = report("geometry/critical/report.json")
-    s = [x["ov_structure"] for x in r["layers"] if x.get("ov_structure")]
-    common = [x["common"] for x in r["layers"] if x.get("common")]
-    best = min(c["best_ffn_score_at_ov_roots"] for c in common if c.get("best_ffn_score_at_ov_roots") is not None)
-    kernel = {x["kernel_dimension"] for x in s}
-    rank = {x["rank"] for x in s}
-    share = sorted(k / (x["dimension"] - 1) for x in s for k in [x["kernel_dimension"]])
-    return (f"The OV map of every SmolLM2 layer has rank {'/'.join(map(str, sorted(rank)))} of {s[0]['dimension']} "
-            f"(GQA: the value projection is {min(rank)} wide), so its kernel (dimension "
-            f"{'/'.join(map(str, sorted(kernel)))}) is a degenerate set where F_A = 0, and at every isolated OV root "
-            f"{share[0]:.2f} of the tangent eigenvalues equal -rho exactly: the unstable share is forced below "
-            f"{1 - share[0]:.2f} for rho > 0 and above {share[0]:.2f} for rho < 0, and the saddle majority is what a "
-            f"linear field with {min(x['real_eigenvalues'] for x in s)}+ real eigenvalues must have (at most one "
-            "attractor and one repeller line). Common critical directions of F_A and F_Phi, where the paper's law "
-            f"lambda = lambda_A + lambda_Phi could be tested: {sum(c['common'] for c in common)}; the FFN's smallest zero "
-            f"score at an OV root is {best:.3f} (a common direction would have 0), so the law is not testable here.\n")
+    out = []
+    for model, folder in (("SmolLM2-135M", "geometry/critical"), ("Gemma-3-270M", "geometry/gemma3_critical")):
+        if not (RESULTS / folder / "report.json").is_file():
+            continue
+        r = report(f"{folder}/report.json")
+        common = [x["common"] for x in r["layers"] if x.get("common")]
+        n_common = sum(c["common"] for c in common)
+        ov_scores = [c["best_ffn_score_at_ov_roots"] for c in common if c.get("best_ffn_score_at_ov_roots") is not None]
+        ffn_ov = [c["smallest_ov_response_at_ffn_roots"] for c in common if c.get("smallest_ov_response_at_ffn_roots")
+                  is not None]
+        s = [x["ov_structure"] for x in r["layers"] if x.get("ov_structure")]
+        if s:
+            kernel, rank = {x["kernel_dimension"] for x in s}, {x["rank"] for x in s}
+            share = sorted(x["kernel_dimension"] / (x["dimension"] - 1) for x in s)
+            text = (f"The OV map of every {model} layer has rank {'/'.join(map(str, sorted(rank)))} of {s[0]['dimension']} "
+                    f"(GQA: the value projection is {min(rank)} wide), so its kernel (dimension "
+                    f"{'/'.join(map(str, sorted(kernel)))}) is a degenerate set where F_A = 0, and at every isolated OV "
+                    f"root {share[0]:.2f} of the tangent eigenvalues equal -rho exactly: the unstable share is forced below "
+                    f"{1 - share[0]:.2f} for rho > 0 and above {share[0]:.2f} for rho < 0, and the saddle majority is what a "
+                    f"linear field with {min(x['real_eigenvalues'] for x in s)}+ real eigenvalues must have (at most one "
+                    "attractor and one repeller line).")
+        else:
+            residual = [x["ov_linear_residual"] for x in r["layers"]]
+            text = (f"{model}'s OV field is not linear on the sphere (the linear map through F_A(e_i) misses F_A(u) at random "
+                    f"u by a relative {min(residual):.1e} to {max(residual):.1e} across layers; a linear field would give "
+                    "rounding), so its roots come from the search, like the FFN's.")
+        text += (f" Common critical directions of F_A and F_Phi, where the paper's law lambda = lambda_A + lambda_Phi "
+                 f"could be tested: {n_common}")
+        if ov_scores:
+            text += f"; the FFN's smallest zero score at an OV root is {min(ov_scores):.3f} (a common direction would have 0)"
+        if ffn_ov:
+            text += f"; the smallest OV response at an FFN root is {min(ffn_ov):.3f} of the OV map's norm"
+        out.append(text + (", so the law is not testable here." if not n_common else "."))
+    return "\n\n".join(out) + "\n"
 
 
 def results_pressure() -> str:
