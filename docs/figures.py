@@ -711,7 +711,7 @@ def lm_eval_results() -> str:
     r = report(LM_EVAL_REPORT)
     held_out = {row["variant"]: row["delta_nll"] for row in report("eval_smollm2.json")["rows"]}
     out = [f"`hf-tangent lm-eval` on {r['model']}, {r['limit']} items per task, {r['num_fewshot'] or 0}-shot, "
-           f"{minutes(r['seconds'])} on this 2-core CPU ([report](results/lm_eval/report.md)); differences against the "
+           f"{minutes(r['seconds'])} on this CPU ({r['threads']} thread(s); [report](results/lm_eval/report.md)); differences against the "
            f"unpatched model over the same items with a 95% paired bootstrap interval ({r['bootstrap']} resamples); "
            "the last column is the variant's held-out Delta L: from `hf-tangent eval` (README) for the update rules, from "
            "the report of the run that saved it for a folder (its own held-out windows: "
@@ -724,7 +724,7 @@ def lm_eval_results() -> str:
         rows = []
         for variant in r["variants"]:
             values, p = r["results"][variant][task], r["paired"].get(variant, {}).get(task, {})
-            cells = [f"{values[f'{m},none']:.4g}" + (f" ± {values[f'{m}_stderr,none']:.3f}"
+            cells = [f"{values[f'{m},none']:.4g}" + (f" ± {values[f'{m}_stderr,none']:.3g}"
                                                      if isinstance(values.get(f"{m}_stderr,none"), float) else "")
                      for m in metrics]
             cells += ["-" if m not in p else f"{signed(p[m]['diff'], 4)} [{signed(p[m]['low'], 4)}, {signed(p[m]['high'], 4)}]"
