@@ -99,19 +99,29 @@ def austen_dir() -> Path:
     return AUSTEN
 
 
-@pytest.fixture(scope="session")
-def tiny_lm_folder(tmp_path_factory) -> Path:
-    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
+def tiny_smollm2_llama(folder: Path | None = None, *, hidden_size: int = 32, layers: int = 2,
+                       max_positions: int = 64, **config):
+    """A random tiny Llama (seed 0) with the real SmolLM2 tokenizer; saved as a plain transformers folder
+    when `folder` is given. Returns (model, tokenizer)."""
     from hf_tangent.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=64))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                                         intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=max_positions, **config)).eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_folder(tmp_path_factory) -> Path:
+    """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
     folder = tmp_path_factory.mktemp("tiny_lm")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    tiny_smollm2_llama(folder)
     return folder
 
 

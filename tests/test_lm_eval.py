@@ -23,15 +23,9 @@ LIMIT = 12
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random tiny Llama with SmolLM2's tokenizer and a context long enough for the task items."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_smollm2_llama
 
-    from hf_tangent.models import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=1024)).eval()
+    model, tokenizer = tiny_smollm2_llama(max_positions=1024)
     with torch.no_grad():  # a model with preferences: random small weights give near-uniform predictions
         model.lm_head.weight.mul_(20)
     folder = tmp_path_factory.mktemp("tiny_lm_eval")

@@ -74,15 +74,9 @@ def assert_same(served: dict, expected: list[dict], tolerance: float = 1e-4):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A random Llama (head_dim 64: vLLM's CPU attention needs it) with SmolLM2's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_smollm2_llama
 
-    from hf_tangent.models import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=512, tie_word_embeddings=True))
+    model, tokenizer = tiny_smollm2_llama(hidden_size=128, layers=3, max_positions=512, tie_word_embeddings=True)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
