@@ -29,6 +29,17 @@ from .commands import (
 from .commands import eval as eval_
 from .commands.arguments import CommandError, apply_recipe
 
+DESCRIPTION = """\
+Tangential and retraction FFN updates for Hugging Face causal language models: evaluate the update
+rules, calibrate gates, fine-tune, heal, diagnose, and export patched models.
+
+  hf-tangent calibrate --recipe offline_default     the main job (real SmolLM2-135M, offline)
+  hf-tangent <command> --help                        a command's options and their defaults
+
+The commands that run an experiment take --recipe FILE.yaml (or a shipped recipe's name; options
+given on the command line win) and write report.json and report.md to their output folder. Errors
+end in one `hf-tangent <command>: error: ...` line and exit code 2."""
+
 COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finetune.finetune_command_parser,
             diagnose.diagnose_command_parser, ablate.ablate_command_parser, sensitivity.sensitivity_command_parser,
             parallel_sweep.parallel_sweep_command_parser, study.study_command_parser,
@@ -38,7 +49,7 @@ COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finet
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="hf-tangent", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hf-tangent", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hf_tangent {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)

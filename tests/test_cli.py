@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,22 @@ def test_every_command_help_exits_0(command, capsys):
     assert out.startswith(f"usage: hf-tangent{'' if command is None else ' ' + command}")
     if command == "ablate":  # the help text that crashed argparse's %-formatting
         assert "for the 95% intervals" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("command", _command_names())
+def test_help_is_for_users_and_prints_each_default_once(command, capsys):
+    """`--help` speaks to users (no note about the source layout), and every option's default is
+    printed once: no "(default: X)" appended to a help text that already says its default, and no
+    "(default: None)"."""
+    argv = ["--help"] if command is None else [command, "--help"]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert "hf_tangent/commands" not in out and "this file" not in out
+    options = re.split(r"\n  (?=-)", out.split("\noptions:\n", 1)[-1])  # one chunk per option
+    for option in options:
+        text = " ".join(option.split())
+        appended = text.count("(default: ")
+        assert appended <= 1 and "(default: None)" not in text, text
+        if appended:
+            assert len(re.findall(r"\bdefault", text, re.I)) == 1, f"default printed twice: {text}"

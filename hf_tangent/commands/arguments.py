@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -45,7 +46,7 @@ def _default_device() -> str:
 @dataclass
 class ModelArguments:
     model: str = field(default=DEFAULT_MODEL, metadata={
-        "help": f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)}); default {DEFAULT_MODEL}"})
+        "help": f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)})"})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})
 
 
@@ -231,9 +232,24 @@ def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
     return tuple(out)
 
 
+DEFAULT_WORD = re.compile(r"\bdefault(s|ed)?\b", re.I)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default printed once: appended as "(default: X)" unless the help text already
+    says what the default is, and never as "(default: None)" (the help says what no value means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if DEFAULT_WORD.search(text) or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True):
     """A subcommand whose options are the fields of `dataclass_types` (plus --recipe)."""
     sub = subparsers.add_parser(name, dataclass_types=dataclass_types, help=help, description=help,
+                                formatter_class=HelpFormatter,
                                 allow_abbrev=False)  # --seed must not silently mean --seeds
     for action in sub._actions:  # argparse reads help as a %-format: ours is plain text ("95%"), the
         if action.help and action.help is not argparse.SUPPRESS:  # Trainer's is escaped already ("20%%")
