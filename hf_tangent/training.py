@@ -195,10 +195,101 @@ def train(model, train_dataset, args, *, callbacks=None, trainer_class=None, **t
     checkpoint = resolve_checkpoint(args)
     if getattr(args, "gradient_checkpointing", False) and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()  # frozen embeddings + checkpointing (peft #742)
-    trainer = (trainer_class or Trainer)(model=model, args=args, train_dataset=train_dataset,
-                                         data_collator=default_data_collator, callbacks=callbacks, **trainer_kwargs)
+    trainer = with_trainable_checkpoints(trainer_class or Trainer)(
+        model=model, args=args, train_dataset=train_dataset, data_collator=default_data_collator, callbacks=callbacks,
+        **trainer_kwargs)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
+
+
+TRAINABLE_WEIGHTS = "trainable.safetensors"
+
+
+class TrainableCheckpoints:
+    """Mixed into the Trainer by `train`: a checkpoint of a run that freezes part of the model (gate
+    calibration: 30 scalars of a 135M model; LoRA) holds what trains, not the frozen base, next to the
+    optimizer, scheduler, RNG and Trainer state the Trainer writes anyway. A PEFT model's checkpoint
+    is PEFT's adapter folder (the Trainer's own save), plus `trainable.safetensors` only for trainable
+    parameters outside the adapters (gates); any other model's weights are `trainable.safetensors`.
+    Resuming loads them back into the model (the frozen base is the one the run started from), so
+    an interrupted and resumed run equals an uninterrupted one. A run that trains every parameter,
+    or one sharded by FSDP / DeepSpeed (which save through their own engines), keeps the Trainer's
+    checkpoints, and `trainer.save_model()` called by a user still writes the whole model."""
+
+    def _trainable_only(self) -> bool:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        flags = [p.requires_grad for p in self.model.parameters()]
+        return any(flags) and not all(flags)
+
+    def _outside_adapters(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters the checkpoint must hold besides what the Trainer's own save writes."""
+        adapters = tuple(f".{name}." for name in getattr(self.model, "peft_config", None) or ())
+        return {name: p for name, p in self.model.named_parameters()
+                if p.requires_grad and not (adapters and any(a in name for a in adapters))}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not (_internal_call and self._trainable_only()):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if getattr(self.model, "peft_config", None):
+            super().save_model(output_dir, _internal_call)  # PEFT saves the adapters only
+        tensors = self._outside_adapters()
+        if tensors and self.args.should_save:
+            from safetensors.torch import save_file
+
+            os.makedirs(output_dir, exist_ok=True)
+            save_file({name: p.detach().contiguous().cpu() for name, p in tensors.items()},
+                      os.path.join(output_dir, TRAINABLE_WEIGHTS), metadata={"format": "pt"})
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        path = os.path.join(resume_from_checkpoint, TRAINABLE_WEIGHTS)
+        if not os.path.isfile(path):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = model if model is not None else self.model
+        if getattr(model, "peft_config", None):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # the adapters
+        load_trainable(model, path)
+
+    def _load_best_model(self) -> None:
+        path = os.path.join(self.state.best_model_checkpoint or "", TRAINABLE_WEIGHTS)
+        if os.path.isfile(path) and not getattr(self.model, "peft_config", None):
+            load_trainable(self.model, path)
+        else:
+            super()._load_best_model()
+            if os.path.isfile(path):
+                load_trainable(self.model, path)
+
+
+def with_trainable_checkpoints(trainer_class):
+    """`trainer_class` with TrainableCheckpoints mixed in (the class itself if it has it already)."""
+    if issubclass(trainer_class, TrainableCheckpoints):
+        return trainer_class
+    return type(trainer_class.__name__, (TrainableCheckpoints, trainer_class), {"__module__": trainer_class.__module__})
+
+
+def load_trainable(model, path: str) -> None:
+    """Copy a checkpoint's `trainable.safetensors` into `model`, which must have exactly those trainable
+    parameters with those shapes (otherwise the checkpoint belongs to another run: an error)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(path)
+    params = dict(model.named_parameters())
+    trainable = {name for name, p in params.items() if p.requires_grad}
+    adapters = tuple(f".{name}." for name in getattr(model, "peft_config", None) or ())
+    expected = {name for name in trainable if not (adapters and any(a in name for a in adapters))}
+    unknown = sorted(set(saved) - set(params))
+    missing = sorted(expected - set(saved))
+    shapes = sorted(n for n in set(saved) & set(params) if tuple(saved[n].shape) != tuple(params[n].shape))
+    if unknown or missing or shapes:
+        raise ValueError(f"checkpoint {path} does not fit this model (another run's checkpoint?): "
+                         + "; ".join(f"{what} {names[:5]}" for what, names in
+                                     (("not in the model:", unknown), ("trainable but not saved:", missing),
+                                      ("other shapes:", shapes)) if names) + ".")
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value.to(params[name].device))
 
 
 def loss_curve(trainer) -> list[tuple[int, float]]:

@@ -125,6 +125,48 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tiny_lm_folder, austen_
     assert resumed["gates"] == full["gates"]
     # the checkpoint carries the log history: the resumed run reports the whole curve, equal to the full run's
     assert resumed["loss_curve"] == full["loss_curve"] and len(full["loss_curve"]) == 6
+    # a checkpoint holds what trains (the gates) and the Trainer's state, not the frozen base model
+    checkpoint = tmp_path / "full" / "checkpoint-6"
+    assert sorted(load_file(checkpoint / "trainable.safetensors")) == [
+        f"model.layers.{i}.tangent_patch.gate" for i in range(2)]
+    assert not list(checkpoint.glob("model*.safetensors")) and (checkpoint / "optimizer.pt").is_file()
+    assert (checkpoint / "scheduler.pt").is_file() and (checkpoint / "trainer_state.json").is_file()
+    weights = sum(f.stat().st_size for f in (tiny_lm_folder).glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in checkpoint.iterdir()) < weights / 10
+
+
+def _lora_run(tiny_lm_folder, out, steps, **fields):
+    """A LoRA run on the patched tiny model whose gates train too (outside the adapters): the
+    trained state (adapters, gates) and the loss curve."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_folder)
+    ht.patch(model, ht.TangentConfig(update="projected", gates=True))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], lora_dropout=0.0))
+    for name, param in model.named_parameters():
+        if name.endswith(training.GATE_SUFFIX):
+            param.requires_grad_(True)
+    windows = torch.randint(0, 1000, (16, 16), generator=torch.Generator().manual_seed(0))
+    args = ht.TangentTrainingArguments(output_dir=str(out), max_steps=steps, learning_rate=0.05, save_steps=2,
+                                       per_device_train_batch_size=2, use_cpu=True, **fields)
+    trainer = training.train(model, training.lm_dataset(windows), args)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, training.loss_curve(trainer)
+
+
+def test_lora_checkpoints_hold_adapters_and_gates_and_resume_exactly(tiny_lm_folder, tmp_path):
+    full, full_curve = _lora_run(tiny_lm_folder, tmp_path / "full", 4)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    # PEFT's own adapter folder, plus the gates it does not hold; no base weights
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not list(checkpoint.glob("model*.safetensors"))
+    assert sorted(load_file(checkpoint / "trainable.safetensors")) == [
+        f"base_model.model.model.layers.{i}.tangent_patch.gate" for i in range(2)]
+    shutil.rmtree(tmp_path / "full" / "checkpoint-4")
+    resumed, resumed_curve = _lora_run(tiny_lm_folder, tmp_path / "full", 4, resume_from_checkpoint="last")
+    assert resumed_curve == full_curve
+    assert resumed.keys() == full.keys() and all(torch.equal(resumed[n], full[n]) for n in full)
+    # a checkpoint of another run is refused, not half loaded
+    with pytest.raises(ValueError, match="does not fit this model"):
+        training.load_trainable(AutoModelForCausalLM.from_pretrained(tiny_lm_folder), str(checkpoint / "trainable.safetensors"))
 
 
 def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder, austen_dir, tmp_path):
