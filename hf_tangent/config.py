@@ -208,14 +208,18 @@ class TangentConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TangentConfig:
-        """Build from a dict written by `to_dict`; keys from newer versions are dropped with a warning."""
+    def from_dict(cls, data: dict[str, Any], *, strict: bool = False) -> TangentConfig:
+        """Build from a dict written by `to_dict`; keys from newer versions are dropped with a warning,
+        or refused with `strict=True` (what every loader of a saved patch uses: a misspelled key
+        must not load the default silently)."""
         if not isinstance(data, dict):
             raise ValueError(f"TangentConfig.from_dict expects a mapping of field: value, got {type(data).__name__}.")
         data = dict(data)
         data.pop("hf_tangent_version", None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
+        if unknown and strict:
+            raise ValueError(f"TangentConfig: unknown keys {unknown}; accepted: {', '.join(sorted(known))}.")
         if unknown:
             warnings.warn(
                 f"TangentConfig: ignoring unknown keys {unknown} (written by a newer hf_tangent?).",

@@ -24,16 +24,18 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from .destinations import REMOTE_CODE_MODULES as REMOTE_CODE_FILES
+from .destinations import check_destination, replacing
 from .patching import CONFIG_KEY, get_config
 from .registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from .serialization import save_pretrained
-from .wrappers import model_class, unwrap
+from .wrappers import full_state_dict, model_class, unwrap
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-REMOTE_CODE_MODULES = ("_version.py", "calls.py", "config.py", "rules.py", "fused.py", "fused_parallel.py", "registry.py",
-                       "discovery.py", "wrappers.py", "layer.py", "patching.py")
 REMOTE_MODELING_FILE = "modeling_hf_tangent.py"
 REMOTE_CONFIG_FILE = "configuration_hf_tangent.py"
+# the package's own modules copied beside them (the generated two are written, not copied)
+REMOTE_CODE_MODULES = tuple(n for n in REMOTE_CODE_FILES if n not in (REMOTE_MODELING_FILE, REMOTE_CONFIG_FILE))
 CARD_TEMPLATE = "hf_tangent_model_card.md"  # in the package data hf_tangent.model_cards (the top-level model_cards/)
 
 _CONFIG_TEMPLATE = '''"""hf_tangent remote code: the config of a {base_config} model patched by hf_tangent.
@@ -63,6 +65,7 @@ from ._version import __version__  # noqa: F401
 from .calls import call_key  # noqa: F401
 from .config import TangentConfig
 from .configuration_hf_tangent import {config_cls}
+from .destinations import AtomicSave  # noqa: F401
 from .discovery import describe  # noqa: F401
 from .fused import fused_residual_delta  # noqa: F401
 from .fused_parallel import FusedParallelExecution  # noqa: F401
@@ -83,7 +86,7 @@ class {cls}(_Base):
             fields = dict(record["config"])
             if fields.get("implementation") == "triton":  # the kernels are not shipped: same rule, fused
                 fields["implementation"] = "fused"
-            patch(self, TangentConfig.from_dict(fields))
+            patch(self, TangentConfig.from_dict(fields, strict=True))
             if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
                 set_homotopy(self, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
                              steps=record["homotopy"].get("steps"))
@@ -134,22 +137,29 @@ def render_model_card(context: dict) -> str:
     return template.safe_substitute({name: "(not recorded)" for name in names} | context)
 
 
-def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: dict | None = None) -> Path | None:
+def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: dict | None = None,
+                    protected=()) -> Path | None:
     """Save a patched model (also wrapped or sharded: call it on every rank) as a complete Hub
-    repository folder; returns the folder on rank 0, None elsewhere. The folder is written next to
-    its target first and moved in at the end: a failure leaves an existing folder as it was."""
+    repository folder; returns the folder on rank 0, None elsewhere. The folder is staged next to
+    its target and moved in at the end (destinations.replacing): a new or empty folder, or a patch
+    repo / patched folder hf_tangent wrote there, replaced whole; never the model's own base folder,
+    `protected`, the current folder or a folder of someone else's files."""
     config = get_config(model)
     if config is None:
         raise ValueError("save_hub_folder expects a model patched with hf_tangent.patch.")
+    if card is not None and not isinstance(card, dict):
+        raise TypeError(f"hf_tangent.save_hub_folder: card= must be a dict, got {type(card).__name__}.")
     base = unwrap(model)
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    try:
-        if save_pretrained(model, staging) is None:
-            return None  # not rank 0
+    protected = [str(getattr(base.config, "_name_or_path", "") or ""), *protected]
+    check_destination(folder, protected=protected, writer="hf_tangent.save_hub_folder")  # on every rank
+    state = full_state_dict(model)  # collective
+    if state is None:
+        return None  # not rank 0
+    with replacing(folder, protected=protected, writer="hf_tangent.save_hub_folder") as staging:
+        save_pretrained(model, staging, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+            _drop_remote_tokenizer_map(staging)
         context = {
             "base_model": str(getattr(base.config, "_name_or_path", "") or "(local model)"),
             "model_type": base_model_type(base.config),
@@ -159,15 +169,17 @@ def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: d
             "update": config.update,
         }
         (staging / "README.md").write_text(render_model_card(context | (card or {})), encoding="utf-8")
-        staging.chmod(0o755)
-        if not folder.exists():
-            os.replace(staging, folder)
-        else:
-            for item in staging.iterdir():
-                os.replace(item, folder / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return Path(folder)
+
+
+def _drop_remote_tokenizer_map(folder: Path) -> None:
+    """AutoTokenizer asks whether to run the folder's code when tokenizer_config.json names an
+    auto_map; the tokenizer is the base's own class, so the map is left out."""
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.pop("auto_map", None) is not None:
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def push_to_hub(model_or_folder, repo_id: str, *, tokenizer=None, card: dict | None = None, token: str | None = None,

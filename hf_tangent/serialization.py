@@ -28,6 +28,7 @@ from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
 _RECORD_FIELDS = {"config": dict, "model_type": str, "num_layers": int, "patched_layers": list, "parallel_layers": list}
+_OPTIONAL_RECORD_FIELDS = {"homotopy", "architecture", "base_architecture", "hf_tangent_version"}
 
 
 def _fail(where, message: str):
@@ -39,11 +40,16 @@ def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None
     from transformers.utils import cached_file
 
     try:
-        return cached_file(str(path), name, _raise_exceptions_for_missing_entries=required, **hub_kwargs)
+        found = cached_file(str(path), name, _raise_exceptions_for_missing_entries=required, **hub_kwargs)
     except (OSError, ValueError) as err:  # ValueError: not a valid repo id either (transformers 4.x)
         if not required:
             return None
         raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo ({err}).") from err
+    if found is not None and not os.path.isfile(found):
+        _fail(path, f"{name} is not a file ({found}).")
+    if found is None and required:
+        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo (no {name}).")
+    return found
 
 
 def _check_record(record, where: str) -> dict:
@@ -59,13 +65,19 @@ def _check_record(record, where: str) -> dict:
             _fail(where, f"field '{CONFIG_KEY}.{name}' must list layer indices >= 0, got {value!r}.")
     if record["num_layers"] < 1:
         _fail(where, f"field '{CONFIG_KEY}.num_layers' must be >= 1, got {record['num_layers']!r}.")
+    unknown = sorted(set(record) - set(_RECORD_FIELDS) - _OPTIONAL_RECORD_FIELDS)
+    if unknown:
+        _fail(where, f"unknown field(s) {', '.join(f'{CONFIG_KEY}.{k}' for k in unknown)}; accepted: "
+                     f"{', '.join(sorted({*_RECORD_FIELDS, *_OPTIONAL_RECORD_FIELDS}))}.")
     homotopy = record.get("homotopy")
     if homotopy is not None:  # set_homotopy's lambda and schedule (optional)
         value = homotopy.get("lambda") if isinstance(homotopy, dict) else None
         values = list(value.values()) if isinstance(value, dict) and all(
             isinstance(k, str) and k.isdigit() for k in value) else [value]
         if (not values or not all(_is_lambda(v) for v in values)
-                or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")):
+                or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")
+                or not (homotopy.get("steps") is None or (isinstance(homotopy["steps"], int)
+                                                          and not isinstance(homotopy["steps"], bool) and homotopy["steps"] >= 1))):
             _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1] or {{layer: number}}, "
                          f"'schedule': 'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
     if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)
@@ -150,6 +162,8 @@ def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, tuple[str, 
         if value.shape not in (torch.Size([]), torch.Size([1])) or not value.is_floating_point():
             _fail(name, f"tensor '{key}' must be a floating-point gate of shape (1,) (or () before 0.2), "
                         f"got {value.dtype} {tuple(value.shape)}.")
+        if not torch.isfinite(value).all():
+            _fail(name, f"gate '{key}' is {value.reshape(-1)[0].item()}; gates must be finite.")
     return {layer: (name, value) for layer, (name, key, value) in gates.items()}
 
 
@@ -203,15 +217,18 @@ def _check_against_model(record: dict, config: TangentConfig, gates: dict, model
 
 
 def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: str | None = None,
-                    base_revision: str | None = None, merge: bool = False, **kwargs):
+                    base_revision: str | None = None, merge: bool = False, skip_base_check: bool = False,
+                    base_trust_remote_code: bool = False, **kwargs):
     """Load a patched model: a folder (or hub repo) written by a patched model's `save_pretrained`, or a
     patch repo written by `save_patch` (the base is loaded from its own repo, then patched).
 
     `path` is the folder or hub id; `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
     (dtype, device_map, attn_implementation, ...). Patch repos only: `base_model` loads the base from
     another id or a local mirror (`base_revision` its revision), `merge=True` merges LoRA adapters into
-    the weights. Every mismatch between the record, the saved weights and the model raises a
-    ValueError naming the file and field.
+    the weights, `skip_base_check=True` loads onto a base whose weights and config are not compared
+    with the record, `base_trust_remote_code=True` runs the code of the base the record names
+    (`trust_remote_code=` is refused for a patch repo). Every mismatch between the record, the saved
+    weights and the model raises a ValueError naming the file and field.
     """
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     repo = importlib.import_module(".adapters.repo", __package__)  # patch repos build on this module
@@ -219,14 +236,16 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
         if model_class is not None:
             raise ValueError("hf_tangent.from_pretrained: model_class= is not accepted for a patch repo; its base class "
                              "is recorded.")
-        return repo.load_patch(path, base_model=base_model, base_revision=base_revision, merge=merge, **kwargs)
-    if base_model is not None or base_revision is not None or merge:
-        raise ValueError(f"hf_tangent.from_pretrained: base_model=, base_revision= and merge= apply to patch repos; "
-                         f"{path!s} is a full model folder (its weights are in it).")
+        return repo.load_patch(path, base_model=base_model, base_revision=base_revision, merge=merge,
+                               skip_base_check=skip_base_check, base_trust_remote_code=base_trust_remote_code, **kwargs)
+    if base_model is not None or base_revision is not None or merge or skip_base_check or base_trust_remote_code:
+        raise ValueError(f"hf_tangent.from_pretrained: base_model=, base_revision=, merge=, skip_base_check= and "
+                         f"base_trust_remote_code= apply to patch repos; {path!s} is a full model folder (its weights "
+                         "are in it).")
     _, data, record = _read_config(path, **hub_kwargs)
     where = f"{Path(str(path)) / 'config.json'}"
     try:
-        config = TangentConfig.from_dict(record["config"])
+        config = TangentConfig.from_dict(record["config"], strict=True)
     except ValueError as err:
         _fail(where, f"field '{CONFIG_KEY}.config': {err}")
     gates = _saved_gates(path, **hub_kwargs)
@@ -255,16 +274,16 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
     return model
 
 
-def save_pretrained(model, folder: str | os.PathLike, **kwargs) -> Path | None:
+def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwargs) -> Path | None:
     """`model.save_pretrained(folder)` that also takes a wrapped or sharded model (PEFT, DDP, FSDP1,
     FSDP2, ZeRO-3): the full state dict is gathered (every rank must call this) and rank 0 writes
     the folder, with the transformers class name (not FSDP2's subclass). Returns the folder on rank 0."""
-    state = full_state_dict(model)  # collective
+    state = full_state_dict(model) if state_dict is None else state_dict  # collective
     if state is None:
         return None
     base = unwrap(model)
     folder = Path(folder)
-    base.save_pretrained(folder, state_dict=state, **kwargs)
+    base.save_pretrained(folder, state_dict=state, **kwargs)  # a patched model's own: staged, never destroys
     config_file = folder / "config.json"
     data = json.loads(config_file.read_text(encoding="utf-8"))
     if (data.get("architectures") or [""])[0].startswith("FSDP"):  # FSDP2 subclasses the model class in place

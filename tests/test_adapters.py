@@ -141,8 +141,8 @@ def _edit(folder, change):
 
 
 @pytest.mark.parametrize("case, change, message", [
-    ("newer format", lambda r: r.update(format=2), "in patch format 2; this hf_tangent .* reads format 1: upgrade"),
-    ("no base", lambda r: r.pop("base"), "field 'base' must hold"),
+    ("newer format", lambda r: r.update(format=3), "in patch format 3; this hf_tangent .* reads formats 1 to 2: upgrade"),
+    ("no base", lambda r: r.pop("base"), r"field\(s\) \['base'\] missing"),
     ("bad base source", lambda r: r["base"].update(source="ftp"), "'base.source'='ftp'"),
     ("bad rule", lambda r: r["patch"]["config"].update(update="tangent"), "TangentConfig.update='tangent'"),
     ("patched layers disagree", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
@@ -191,7 +191,7 @@ def test_save_patch_refusals(tiny_lm_folder, tmp_path):
     with pytest.raises(ValueError, match=r"config._name_or_path is empty\); pass base_model="):
         ht.save_patch(model, tmp_path / "p")
     assert not (tmp_path / "p").exists()
-    with pytest.raises(ValueError, match="base_model=, base_revision= and merge= apply to patch repos"):
+    with pytest.raises(ValueError, match="base_model=, base_revision=, merge=, skip_base_check= and base_trust_remote_code= apply to patch repos"):
         ht.from_pretrained(tiny_lm_folder, merge=True)
 
 

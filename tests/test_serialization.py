@@ -114,13 +114,13 @@ def test_folder_without_patch_is_a_clear_error(tmp_path):
         ht.from_pretrained(tmp_path / "nowhere")
 
 
-def test_unknown_keys_from_a_newer_version_warn(tmp_path, ids):
-    model = save_patched("gpt2", tmp_path)
-    edit_record(tmp_path, config={"newer_option": True})
-    with pytest.warns(UserWarning, match="newer_option"):
-        reloaded = ht.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+def test_unknown_config_keys_are_refused_not_dropped(tmp_path):
+    """A misspelled key (alpah) used to load the default with a warning: the patch then computed
+    something other than what was saved. Every loader now refuses it by name (issue 31)."""
+    save_patched("gpt2", tmp_path)
+    edit_record(tmp_path, config={"alpah": 0.5})
+    with pytest.raises(ValueError, match=r"field 'hf_tangent.config': TangentConfig: unknown keys \['alpah'\]; accepted: alpha"):
+        ht.from_pretrained(tmp_path)
 
 
 def test_a_patched_folder_never_loads_as_its_base(tmp_path, ids):

@@ -21,6 +21,7 @@ import torch
 
 from .. import data
 from ..data import TextSource
+from ..destinations import DestinationError, claim_run_folder
 from ..models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..ranges import TEXT_RANGES, Range, RangeError, at_least, check_ranges
 
@@ -106,8 +107,13 @@ def check_device(device: str) -> None:
 
 
 def check_output_dir(path: str) -> None:
-    """The output folder is writable (or can be created): checked before the run, not after it, and
-    without creating anything, so that a run refused later leaves the user's files as they were."""
+    """The output folder is writable (or can be created) and is not someone else's (new, empty, or an
+    earlier run's: destinations.claim_run_folder): checked before the run, not after it, and without
+    creating anything, so that a run refused later leaves the user's files as they were."""
+    try:
+        claim_run_folder(path, writer="--output-dir")
+    except DestinationError as err:
+        raise CommandError(str(err)) from None
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise CommandError(f"--output-dir {path} is a file, not a folder.")

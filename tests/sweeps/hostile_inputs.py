@@ -614,17 +614,23 @@ def adapters_cases(tmp: Path, folder: Path):
     expect_error("adapters", "save_patch with a model as the folder", lambda: ht.save_patch(gated(), unpatched),
                  "", kinds=(TypeError,))
     for case, change, message in [
-            ("format 2", lambda r: r.update(format=2), "reads format 1: upgrade"),
+            ("format 3", lambda r: r.update(format=3), "reads formats 1 to 2: upgrade"),
             ("format '1'", lambda r: r.update(format="1"), "field 'format' must be an integer"),
-            ("base as a string", lambda r: r.update(base="HuggingFaceTB/SmolLM2-135M"), "field 'base' must hold"),
-            ("base.num_layers '2'", lambda r: r["base"].update(num_layers="2"), "field 'base' must hold"),
+            ("base as a string", lambda r: r.update(base="HuggingFaceTB/SmolLM2-135M"), "field 'base' must be a JSON object"),
+            ("base.num_layers '2'", lambda r: r["base"].update(num_layers="2"), "field 'base.num_layers' must be an integer"),
+            ("base.fingerprint 'abc'", lambda r: r["base"].update(fingerprint="abc"), "field 'base.fingerprint' must be"),
+            ("base.fingerprint null", lambda r: r["base"].update(fingerprint=None), "records no fingerprint"),
+            ("base.config a list", lambda r: r["base"].update(config=[]), "field 'base.config' must be a JSON object"),
+            ("alpah in the patch", lambda r: r["patch"]["config"].update(alpah=0.5), "unknown keys ['alpah']"),
+            ("an unknown field", lambda r: r.update(extra=1), "unknown field(s) ['extra']"),
             ("base.source 'ftp'", lambda r: r["base"].update(source="ftp"), "accepted: 'hub', 'local', 'offline'"),
             ("beta=2 in the patch", lambda r: r["patch"]["config"].update(beta=2.0), "TangentConfig.beta"),
             ("gates='weights.bin'", lambda r: r.update(gates="weights.bin"), "accepted: 'gates.safetensors' or null"),
             ("adapters='lora'", lambda r: r.update(adapters="lora"), "accepted: 'adapter' or null"),
             ("patched_layers [0]", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
             ("num_layers 3", lambda r: r["base"].update(num_layers=3), "num_layers 3 (recorded) vs 2"),
-            ("another fingerprint", lambda r: r["base"]["fingerprint"].update(value="0" * 64), "the weights differ")]:
+            ("another fingerprint", lambda r: r["base"]["fingerprint"]["digests"].update(float32="0" * 64), "the weights differ"),
+            ("another eps in the base config", lambda r: r["base"]["config"].update(rms_norm_eps=0.5), "rms_norm_eps")]:
         expect_error("adapters", f"record: {case}", lambda c=case, f=change: ht.from_pretrained(edited(c, f)), message)
     damaged = ht.save_patch(gated(), tmp / "patches" / "damaged")
     (damaged / "gates.safetensors").write_bytes(b"\x00" * 16)
@@ -652,6 +658,109 @@ def adapters_cases(tmp: Path, folder: Path):
 
     expect_ok("adapters", "a failed save_patch leaves the existing folder as it was", failed_save_leaves_the_folder)
     expect_ok("adapters", "save_patch -> from_pretrained gives identical logits", round_trip)
+
+
+def artifacts_cases(tmp: Path, folder: Path):
+    """Issue 31: every writer refuses what is not its own (byte-identical after), replaces its own whole
+    and atomically; the base is checked by every value and its computation config."""
+    import os
+
+    from transformers import LlamaForCausalLM
+
+    from hf_tangent import destinations
+    from hf_tangent.destinations import DestinationError
+
+    def gated(value=0.5, **kwargs):
+        model = ht.patch(LlamaForCausalLM.from_pretrained(folder, **kwargs).eval(),
+                         ht.TangentConfig(update="projected", gates=True))
+        with torch.no_grad():
+            ht.tangent_layers(model)[0].gate.fill_(value)
+        return model
+
+    def tree(path):
+        return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(Path(path).rglob("*"))}
+
+    def refused_untouched(case, write, target, message):
+        before = tree(target) if Path(target).is_dir() else None
+        expect_error("artifacts", case, write, message, kinds=(DestinationError,))
+        if before is not None and tree(target) != before:
+            record("artifacts", case + " (folder changed)", "silent wrong")
+
+    user = tmp / "user"
+    (user / "data").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    cwd = Path.cwd()
+    os.chdir(user)
+    try:
+        for name, write in (("save_patch", lambda m, f: ht.save_patch(m, f)),
+                            ("save_pretrained", lambda m, f: m.save_pretrained(f)),
+                            ("save_hub_folder", lambda m, f: ht.save_hub_folder(m, f))):
+            refused_untouched(f"{name} over a user's folder", lambda w=write: w(gated(), user), user,
+                              "current folder")
+            refused_untouched(f"{name} into '.'", lambda w=write: w(gated(), "."), user, "current folder")
+            refused_untouched(f"{name} into ''", lambda w=write: w(gated(), ""), user, "empty path")
+            refused_untouched(f"{name} into the base's folder", lambda w=write: w(gated(), folder), folder,
+                              "which this save reads from")
+    finally:
+        os.chdir(cwd)
+    (tmp / "other").mkdir()
+    (tmp / "other" / "x.txt").write_text("x")
+    refused_untouched("save_patch over a folder of other files", lambda: ht.save_patch(gated(), tmp / "other"),
+                      tmp / "other", "did not write")
+
+    def failure_after_staging():
+        target = tmp / "atomic"
+        ht.save_patch(gated(2.0), target)
+        before, real = tree(target), os.replace
+
+        def flaky(src, dst):
+            if ".staging-" in str(src):
+                raise OSError("injected")
+            return real(src, dst)
+
+        destinations.os.replace = flaky
+        try:
+            ht.save_patch(gated(0.5), target)
+        except OSError:
+            pass
+        finally:
+            destinations.os.replace = real
+        return tree(target) == before
+
+    def stale_shards_do_not_survive():
+        gated(2.0).save_pretrained(tmp / "sharded", max_shard_size="50KB")
+        new = gated(0.5)
+        new.save_pretrained(tmp / "sharded")
+        names = [p.name for p in (tmp / "sharded").iterdir()]
+        return "model.safetensors.index.json" not in names and torch.equal(
+            logits(ht.from_pretrained(tmp / "sharded")), logits(new))
+
+    def float16_load_accepted():
+        return ht.get_config(ht.from_pretrained(ht.save_patch(gated(), tmp / "fp16"), dtype=torch.float16)).gates
+
+    def one_row_refused():
+        repo = ht.save_patch(gated(), tmp / "row")
+        model = LlamaForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[40] += 1e-3
+        model.save_pretrained(tmp / "row_base")
+        try:
+            ht.from_pretrained(repo, base_model=str(tmp / "row_base"))
+        except ValueError as err:
+            return "the weights differ" in str(err)
+        return False
+
+    expect_ok("artifacts", "a failure after staging leaves the old repo byte-identical", failure_after_staging)
+    expect_ok("artifacts", "a re-save removes the earlier save's shards and index", stale_shards_do_not_survive)
+    expect_ok("artifacts", "a float16 load of the same base is accepted", float16_load_accepted)
+    expect_ok("artifacts", "one changed embedding row in the base is refused", one_row_refused)
+    repo = ht.save_patch(gated(), tmp / "trc")
+    expect_error("artifacts", "trust_remote_code=True for a patch repo",
+                 lambda: ht.from_pretrained(repo, trust_remote_code=True), "base_trust_remote_code=True")
+    expect_error("artifacts", "skip_base_check='yes'", lambda: ht.from_pretrained(repo, skip_base_check="yes"),
+                 "skip_base_check= must be True or False")
+    expect_error("artifacts", "save_patch card='a string'", lambda: ht.save_patch(gated(), tmp / "c", card="a string"),
+                 "card= must be a dict")
 
 
 def lm_eval_cases(tmp: Path, folder: Path):
@@ -718,6 +827,7 @@ GROUPS = {
     "analysis": analysis_cases,
     "heal": heal_cases,
     "adapters": adapters_cases,
+    "artifacts": artifacts_cases,
     "lm_eval": lm_eval_cases,
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]

