@@ -34,6 +34,15 @@ class TangentLayer(nn.Module):
     """The patch of one decoder layer: its update rule, optional FFN gate, and hook callbacks."""
 
     def __init__(self, config: TangentConfig, index: int, *, update: bool, parallel: bool):
+        if not isinstance(config, TangentConfig):
+            raise TypeError(f"TangentLayer: config={config!r} has the wrong type ({type(config).__name__}); accepted: a "
+                            "TangentConfig.")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"TangentLayer: index={index!r} is out of range; accepted: an integer >= 0.")
+        for name, flag in (("update", update), ("parallel", parallel)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"TangentLayer: {name}={flag!r} has the wrong type ({type(flag).__name__}); accepted: "
+                                "true or false.")
         super().__init__()
         self.config = config
         self.index = index

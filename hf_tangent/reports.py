@@ -33,8 +33,10 @@ class Report:
     tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
 
     def __post_init__(self):
-        if self.kind not in MARKDOWN:
+        if not isinstance(self.kind, str) or self.kind not in MARKDOWN:
             raise ValueError(f"unknown report kind {self.kind!r}; accepted: {', '.join(MARKDOWN)}.")
+        if not isinstance(self.data, dict):
+            raise TypeError(f"Report data must be a dict (what report.json holds), got {type(self.data).__name__}.")
 
     def __getitem__(self, key: str):
         return self.data[key]
@@ -71,14 +73,27 @@ class Report:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Report:
-        """A saved report.json (its "command" or "study" field says which kind)."""
+        """A saved report.json (its "command" or "study" field says which kind), checked whole: a
+        report that could not be rendered (a JSON list, a field missing) is refused here, not later."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Report.load expects the path of a report.json, got {type(path).__name__}.")
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: not a readable report.json ({err}).") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not an hf-tangent report: a JSON {type(data).__name__}, accepted: a JSON object "
+                             "with a 'command' field.")
         kind = data.get("command") or ("study" if "study" in data else None)
-        if kind not in MARKDOWN:
-            raise ValueError(f"{path}: not an hf-tangent report (no known 'command' field).")
+        if not isinstance(kind, str) or kind not in MARKDOWN:
+            raise ValueError(f"{path}: not an hf-tangent report (command={data.get('command')!r}; accepted: "
+                             f"{', '.join(MARKDOWN)}).")
+        try:
+            MARKDOWN[kind](data)
+        except KeyError as err:
+            raise ValueError(f"{path}: an incomplete {kind!r} report: field {err.args[0]!r} is missing.") from None
+        except (TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
+            raise ValueError(f"{path}: a damaged {kind!r} report ({type(err).__name__}: {err}).") from None
         return cls(kind, data)
 
 

@@ -25,6 +25,7 @@ import torch
 from .config import TangentConfig
 from .diagnostics import diagnose
 from .evaluation import perplexity
+from .ranges import Range, at_least, check_values, validated
 from .reports import Report
 from .training import ObserveCallback, lm_dataset, loss_curve, train, training_arguments
 from .verdicts import summarize, verdict
@@ -173,6 +174,10 @@ def run_variant(study: str, variant: str, seed: int, scale: dict, arch: str, tok
 
 
 BUDGET_KEYS = ("max_steps", "eval_every", "learning_rate", "batch_size", "seq_len", "train_windows", "val_windows")
+# the range of every budget override (`hf-tangent study --max-steps ...` and run_study(overrides=...))
+BUDGET_RANGES = {"max_steps": at_least(1), "eval_every": at_least(1), "learning_rate": Range(0, open_low=True),
+                 "batch_size": at_least(1), "seq_len": at_least(2), "train_windows": at_least(1),
+                 "val_windows": at_least(1)}
 
 
 def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
@@ -183,14 +188,15 @@ def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
             raise ValueError(f"unknown study setting {key!r}; accepted: {', '.join(BUDGET_KEYS)}.")
         if value is None:
             continue
-        if not value > 0:
-            raise ValueError(f"study setting {key}={value} must be positive.")
+        check_values(BUDGET_RANGES, **{key: value})
         scale[key] = value
     return scale
 
 
-def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", variants=None, seeds=None,
-              branches=("ffn",), output_dir: str = "runs/study", device: str = "cpu", progress=None,
+@validated()
+def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", variants: list[str] | None = None,
+              seeds: list[int] | None = None, branches: list[str] = ("ffn",), output_dir: str = "runs/study",
+              device: str = "cpu", progress=None,
               overrides: dict | None = None, train_docs=None, val_docs=None, data: str | None = None) -> Report:
     """Train every variant of `study` for every seed and compare them paired by seed (the `study` report).
 

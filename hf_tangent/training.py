@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from .patching import CHILD_NAME, tangent_layers
-from .ranges import Range, at_least, check_ranges
+from .ranges import SEED, Range, at_least, check_ranges
 from .wrappers import full_parameters, full_value
 
 GATE_SUFFIX = f"{CHILD_NAME}.gate"
@@ -90,12 +90,23 @@ class TangentTrainingArguments(_transformers_training_arguments()):
     dataloader_drop_last: bool = dataclasses.field(default=True, metadata={"help": "Full batches only."})
     remove_unused_columns: bool = dataclasses.field(default=False, metadata={"help": "Keep the packed LM columns."})
 
+    # every numeric field, the Trainer's own too (finite unless said; a fraction < 1 of max_steps where
+    # the Trainer reads one): refused here, before the Trainer or a model sees them
     RANGES: ClassVar[dict[str, Range]] = {
         "max_steps": at_least(1), "per_device_train_batch_size": at_least(1), "per_device_eval_batch_size": at_least(1),
-        "gradient_accumulation_steps": at_least(1), "learning_rate": Range(0), "save_steps": Range(0)}
+        "gradient_accumulation_steps": at_least(1), "learning_rate": Range(0), "save_steps": Range(0),
+        "num_train_epochs": Range(0), "warmup_steps": Range(0), "weight_decay": Range(0),
+        "adam_beta1": Range(0, 1, open_high=True), "adam_beta2": Range(0, 1, open_high=True),
+        "adam_epsilon": Range(0, open_low=True), "max_grad_norm": Range(0),  # 0: no clipping
+        "label_smoothing_factor": Range(0, 1, open_high=True), "neftune_noise_alpha": Range(0),
+        "torch_empty_cache_steps": at_least(1), "logging_steps": Range(0, open_low=True),
+        "eval_steps": Range(0, open_low=True), "eval_delay": Range(0), "eval_accumulation_steps": at_least(1),
+        "save_total_limit": at_least(1), "seed": SEED, "data_seed": SEED, "dataloader_num_workers": at_least(0),
+        "dataloader_prefetch_factor": at_least(1), "ddp_bucket_cap_mb": at_least(1), "ddp_timeout": at_least(1),
+        "local_rank": at_least(-1)}  # -1: not a distributed run
 
     def __post_init__(self):
-        check_ranges(self)
+        check_ranges(self, all_types=False)  # the numeric fields; the Trainer converts its other fields itself
         if self.save_steps and self.save_steps > 0:
             self.save_strategy = "steps"
         else:

@@ -23,7 +23,7 @@ from .. import data
 from ..data import TextSource
 from ..destinations import DestinationError, claim_run_folder
 from ..models import DEFAULT_MODEL, OFFLINE_MODELS
-from ..ranges import TEXT_RANGES, Range, RangeError, at_least, check_ranges
+from ..ranges import TEXT_RANGES, Range, RangeError, at_least, check_ranges, options_of
 
 
 class CommandError(ValueError):
@@ -45,7 +45,7 @@ def _default_device() -> str:
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(Checked):
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)})"})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})
@@ -159,25 +159,48 @@ def find_recipe(name: str) -> Path:
     raise CommandError(f"recipe {name!r} not found: not a file, nor a shipped recipe ({', '.join(names)}).")
 
 
+class _Number:
+    """The `type` of a numeric option: int / float, with an error that says what the option accepts
+    (`argument --seq-len: 'x' has the wrong type; accepted: an integer >= 2.`)."""
+
+    def __init__(self, base, accepted: str):
+        self.base, self.accepted, self.__name__ = base, accepted, base.__name__
+
+    def __call__(self, text):
+        try:
+            return self.base(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} has the wrong type; accepted: {self.accepted}.") from None
+
+
+def _accepted(dataclass_types) -> dict[str, str]:
+    """What each numeric option of these dataclasses accepts, in the words of ranges.Option."""
+    return {name: option.accepted for kind in dataclass_types for name, option in options_of(kind).items()
+            if option.range is not None}
+
+
 def _kind(action: argparse.Action) -> str:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or action.const is True:
         return "bool"
-    if action.type in (int, float, str):
-        return action.type.__name__
+    base = getattr(action.type, "base", action.type)
+    if base in (int, float, str):
+        return base.__name__
     return "other"
 
 
-def _check_value(action: argparse.Action, key: str, value, where: str):
-    """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool."""
+def _check_value(action: argparse.Action, key: str, value, where: str, accepted: str | None = None):
+    """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool.
+    The ranges are checked when the command's dataclasses are made, as for the command line."""
     def fail(expected):
-        raise CommandError(f"recipe {where}: key {key!r} must be {expected}, got {value!r} ({type(value).__name__}).")
+        also = f"; accepted: {accepted}" if accepted else ""
+        raise CommandError(f"recipe {where}: key {key!r} must be {expected}, got {value!r} ({type(value).__name__}){also}.")
 
     kind = _kind(action)
     if action.nargs in ("+", "*"):
         if not isinstance(value, list):
             fail("a list")
-        return [_check_value(argparse.Action([], action.dest, type=action.type, choices=action.choices), key, v, where)
-                for v in value]
+        return [_check_value(argparse.Action([], action.dest, type=action.type, choices=action.choices), key, v, where,
+                             accepted) for v in value]
     if kind == "bool":
         if not isinstance(value, bool):
             fail("true or false (unquoted)")
@@ -214,13 +237,14 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: str, command: str) -> 
     if wanted != command:
         raise CommandError(f"recipe {path} is for `{wanted}`, not `{command}`.")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "recipe", "func")}
+    accepted = _accepted(getattr(parser, "dataclass_types", ()))
     defaults = {}
     for key, value in values.items():
         dest = str(key).replace("-", "_")
         if dest not in actions:
             raise CommandError(f"recipe {path}: key {key!r} is not an option of `{command}`; accepted: "
                                f"{', '.join(sorted(actions))}.")
-        defaults[dest] = _check_value(actions[dest], str(key), value, str(path))
+        defaults[dest] = _check_value(actions[dest], str(key), value, str(path), accepted.get(dest))
     parser.set_defaults(**defaults)
 
 
@@ -260,6 +284,10 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
     for action in sub._actions:  # argparse reads help as a %-format: ours is plain text ("95%"), the
         if action.help and action.help is not argparse.SUPPRESS:  # Trainer's is escaped already ("20%%")
             action.help = action.help.replace("%%", "%").replace("%", "%%")
+    accepted = _accepted(dataclass_types)
+    for action in sub._actions:  # a value that is not a number says what the option accepts
+        if action.dest in accepted and action.type in (int, float):
+            action.type = _Number(action.type, accepted[action.dest])
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=func, parser=sub)

@@ -11,6 +11,7 @@ from ..evaluation import update_variants
 from ..training import TangentTrainingArguments
 from .arguments import (
     CalibrationTextArguments,
+    Checked,
     CommandError,
     EvalTextArguments,
     ModelArguments,
@@ -22,7 +23,7 @@ from .arguments import (
 
 
 @dataclass
-class CalibrateArguments:
+class CalibrateArguments(Checked):
     update: str = field(default="add", metadata={"help": "update rule the gates scale (default add: x + g_l * FFN)"})
     layers: list[int] | None = field(default=None, metadata={"help": "layers to gate (default all)"})
     compare_updates: list[str] = field(default_factory=list, metadata={

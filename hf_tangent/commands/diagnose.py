@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..evaluation import update_variants
+from ..ranges import LAYER_INDICES, Range
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -17,7 +20,9 @@ from .arguments import (
 
 
 @dataclass
-class DiagnoseArguments:
+class DiagnoseArguments(Checked):
+    RANGES: ClassVar[dict[str, Range]] = {"layers": LAYER_INDICES}
+
     layers: list[int] | None = field(default=None, metadata={"help": "layers to observe (default all)"})
     update: str | None = field(default=None, metadata={
         "help": "diagnose the model patched with this variant (default: unpatched): " + "; ".join(update_variants()),

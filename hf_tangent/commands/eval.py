@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..evaluation import update_variants
 from .arguments import (
+    Checked,
     EvalTextArguments,
     ModelArguments,
     RunArguments,
@@ -17,7 +18,7 @@ from .arguments import (
 
 
 @dataclass
-class EvalArguments:
+class EvalArguments(Checked):
     updates: list[str] | None = field(default=None, metadata={
         "help": "update variants to evaluate (default all): " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})

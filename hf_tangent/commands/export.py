@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .arguments import CommandError, add_command, dataclasses_of
+from .arguments import Checked, CommandError, add_command, dataclasses_of
 
 
 @dataclass
-class ExportArguments:
-    patch: str = field(default=None, metadata={"help": "the patch repo: a folder written by save_patch, or a hub id"})
-    output: str = field(default=None, metadata={"help": "the folder to write the complete model to"})
+class ExportArguments(Checked):
+    patch: str | None = field(default=None, metadata={"help": "the patch repo: a folder written by save_patch, or a hub id"})
+    output: str | None = field(default=None, metadata={"help": "the folder to write the complete model to"})
     base_model: str | None = field(default=None, metadata={
         "help": "load the base from here instead of the id the patch records (a local mirror)"})
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..ranges import Range, at_least
-from ..studies import ARCHS, SCALES, STUDIES
+from ..ranges import Range
+from ..studies import ARCHS, BUDGET_RANGES, SCALES, STUDIES
 from .arguments import Checked, CommandError, add_command, dataclasses_of, preflight
 
 
 @dataclass
-class StudyArguments:
+class StudyArguments(Checked):
     scale: str = field(default="smoke", metadata={"help": f"one of: {', '.join(SCALES)}"})
     arch: str = field(default="gpt2", metadata={"help": f"one of: {', '.join(ARCHS)}"})
     variants: list[str] | None = field(default=None, metadata={"help": "subset of the study's variants (the baseline always runs)"})
@@ -30,7 +30,8 @@ class StudyArguments:
 
 @dataclass
 class StudyBudget(Checked):
-    RANGES: ClassVar[dict[str, Range]] = {k: at_least(1) for k in ("max_steps", "eval_every", "train_windows", "batch_size", "max_windows")} | {"seq_len": at_least(2), "learning_rate": Range(0, open_low=True)}
+    RANGES: ClassVar[dict[str, Range]] = {k: v for k, v in BUDGET_RANGES.items() if k != "val_windows"} | {
+        "max_windows": BUDGET_RANGES["val_windows"]}  # the same ranges as run_study(overrides=...)
 
     """Overrides of the scale's budget (default: the scale's)."""
 

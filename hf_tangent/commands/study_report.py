@@ -6,11 +6,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arguments import CommandError, add_command, dataclasses_of
+from .arguments import Checked, CommandError, add_command, dataclasses_of
 
 
 @dataclass
-class StudyReportArguments:
+class StudyReportArguments(Checked):
     output: str = field(default="docs/studies.md", metadata={"help": "the page to write"})
 
 

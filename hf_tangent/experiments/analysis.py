@@ -14,14 +14,15 @@ from ..diagnostics import QUANTITIES, diagnose
 from ..evaluation import update_variants
 from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
 from ..patching import patch
-from ..ranges import at_least, check_values
+from ..ranges import LAYER_INDICES, Range, at_least, validated
 from ..registry import architecture, decoder_layers
 from ..reports import Report
 from ..timing import interleaved_ratio
 from .common import Clock, entry_point, environment, progress_bar, refuse_patched, resolve_model, windows
 
 ABLATE_RANGES = {"bootstrap": at_least(1)}
-PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1)}
+PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1),
+                         "budget": Range(0)}  # budget 0: only conversions that lose nothing
 
 
 def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *, calibration=False):
@@ -32,6 +33,7 @@ def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *,
     return model, tokenizer, name, text, windows(model, tokenizer, docs, seq_len, max_windows), env
 
 
+@validated(ABLATE_RANGES)
 @entry_point(patched_model="refused")
 def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS, layerwise: bool = False,
            bootstrap: int = 2000, seq_len: int = 512, max_windows: int = 8, batch_size: int = 1,
@@ -47,7 +49,6 @@ def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS,
         dtype, device, seed: for a model loaded by name; progress: show a progress bar.
         variants: ablations (ablation.VARIANTS); layerwise: also one layer at a time.
     """
-    check_values(ABLATE_RANGES, bootstrap=bootstrap)
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     clock = Clock()
     total = forward_passes(len(held_out), variants, layerwise, len(decoder_layers(model)))
@@ -58,6 +59,7 @@ def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS,
                              "seconds": clock.seconds, **env, **result})
 
 
+@validated({"layers": LAYER_INDICES})
 @entry_point(patched_model="as is")
 def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = None, layers: list[int] | None = None,
                     seq_len: int = 512, max_windows: int = 8, batch_size: int = 1, dtype: str = "float32",
@@ -87,6 +89,7 @@ def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = No
                                "definitions": QUANTITIES, "seconds": clock.seconds, **env, "layers": records})
 
 
+@validated()
 @entry_point(patched_model="refused")
 def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, max_windows: int = 8,
                       batch_size: int = 1, dtype: str = "float32", device: str | None = None, seed: int = 0,
@@ -109,6 +112,7 @@ def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, m
                                   "text": text.describe_calibration(), "seconds": clock.seconds, **env, **result})
 
 
+@validated(PARALLEL_SWEEP_RANGES)
 @entry_point(patched_model="refused")
 def parallel_sweep(model, tokenizer=None, *, text=None, calibration_windows: int = 4, ks: list[int] | None = None,
                    random_seeds: list[int] = (0, 1, 2), greedy: bool = True, greedy_max_k: int | None = None,
@@ -129,7 +133,6 @@ def parallel_sweep(model, tokenizer=None, *, text=None, calibration_windows: int
         greedy, greedy_max_k: the loss-aware order, up to greedy_max_k layers.
         budget: nats/token for the recommendation; speed: also measure its speed.
     """
-    check_values(PARALLEL_SWEEP_RANGES, calibration_windows=calibration_windows, ks=ks, greedy_max_k=greedy_max_k)
     model, tokenizer, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     calibration = windows(model, tokenizer, text.calibration_only_documents(), seq_len, calibration_windows)
     clock = Clock()

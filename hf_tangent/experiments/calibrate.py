@@ -10,6 +10,7 @@ from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity
 from ..hub import save_hub_folder
 from ..patching import patch
+from ..ranges import validated
 from ..registry import decoder_layers
 from ..reports import Report, calibrate_results_markdown, training_card
 from ..training import (
@@ -25,6 +26,7 @@ from ..training import (
 from .common import Clock, environment, progress_bar, refuse_patched, resolve_model, windows
 
 
+@validated()
 def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
                     compare_rules: list[str] = (), seq_len: int = 512, max_windows: int = 8, train_windows: int = 64,
                     training_args: TangentTrainingArguments | None = None, eval_batch_size: int | None = None,
@@ -53,10 +55,15 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
     text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
+    if (save_patch or push_to_hub) and not (named or getattr(model.config, "_name_or_path", "")):
+        raise ValueError("hf_tangent.calibrate_gates: save_patch= / push_to_hub= write a patch repo, which records its "
+                         "base model by name, and this model does not say which checkpoint it was loaded from "
+                         "(config._name_or_path is empty); pass the model by name, set model.config._name_or_path to "
+                         "its hub id or folder, or leave save_patch and push_to_hub unset.")
     tangent.resolve_layers(len(decoder_layers(model)))
     held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     train_set = windows(model, tokenizer, text.training_documents(), seq_len, train_windows)
-    batch = eval_batch_size or args.per_device_eval_batch_size
+    batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
     clock = Clock()
     probe = train_set[: min(len(train_set), 8)]  # calibration loss before/after, same windows
     model.to(args.device)

@@ -13,13 +13,14 @@ from ..evaluation import update_variants
 from ..harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
 from ..harness.tasks import TASKS
 from ..patching import get_config, patch, without_patch
-from ..ranges import at_least, check_values
+from ..ranges import at_least, validated
 from ..reports import Report
 from .common import Clock, entry_point, environment, resolve_model
 
 LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
 
 
+@validated(LM_EVAL_RANGES)
 @entry_point(patched_model="as is")
 def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[str] = ("unpatched", "projected"),
             model_folders: list[str] = (), include_path: str | None = None, num_fewshot: int | None = None,
@@ -42,7 +43,6 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
             batch_size: as lm-eval's; bootstrap: resamples of the paired intervals; dtype, device, seed.
     """
     require_lm_eval()
-    check_values(LM_EVAL_RANGES, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, bootstrap=bootstrap)
     known = update_variants()
     unknown = [v for v in variants if v not in known]
     if unknown:
@@ -55,6 +55,7 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
     if missing:
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
+    _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
     clock = Clock()
     runs, seconds = {}, {}
 
@@ -89,6 +90,64 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "variant_seconds": seconds, "seconds": clock.seconds,
         **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)})
+
+
+def _vocab_size(config: dict) -> int | None:
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
+def _config_json(source: str) -> dict | None:
+    """config.json of a folder or hub repo, or None when it has none."""
+    import json
+
+    from transformers.utils import cached_file
+
+    path = cached_file(str(source), "config.json", _raise_exceptions_for_missing_entries=False)
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
+    """Every variant is scored with `tokenizer`: the model and every folder in `model_folders` (a patch
+    repo, checked through its record, or a saved model folder) must exist and hold every token id of
+    the tokenizer, and a folder that ships a tokenizer must ship the same one. Checked before any
+    variant is scored, so that a wrong folder never ends a run after the others have run."""
+    from transformers import AutoTokenizer
+
+    from ..adapters.repo import is_patch_repo, read_record
+
+    needed = len(tokenizer)
+    own = model.get_input_embeddings().num_embeddings
+    accepted = "accepted: the tokenizer of the model and of every folder must be the same, and every token id in the vocabulary"
+    if own < needed:
+        raise ValueError(f"hf_tangent.lm_eval: the model's vocabulary has {own} tokens and the tokenizer {needed}; {accepted}.")
+    for folder in model_folders:
+        where = f"hf_tangent.lm_eval: model_folders entry {str(folder)!r}"
+        try:
+            if is_patch_repo(folder):
+                base = read_record(folder)["base"]["name_or_path"]
+                config = None if base == name else _config_json(base)
+                vocab = own if base == name else _vocab_size(config) if config else None
+            else:
+                config = _config_json(folder)
+                if config is None:
+                    raise ValueError("it has no config.json")
+                vocab = _vocab_size(config)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{where} is neither a patch repo nor a saved model folder ({err}); accepted: folders "
+                             "written by hf_tangent.save_patch or save_pretrained, or their hub ids.") from None
+        if vocab is not None and vocab < needed:
+            raise ValueError(f"{where} has a vocabulary of {vocab} tokens and the tokenizer {needed}; {accepted}.")
+        if os.path.isfile(os.path.join(str(folder), "tokenizer_config.json")):
+            try:
+                same = AutoTokenizer.from_pretrained(str(folder)).get_vocab() == tokenizer.get_vocab()
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{where}: its tokenizer could not be read ({err}).") from None
+            if not same:
+                raise ValueError(f"{where} ships a tokenizer other than the model's; {accepted}.")
 
 
 def _paired(variant: dict, baseline: dict, bootstrap: int, seed: int) -> dict:

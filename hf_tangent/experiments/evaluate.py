@@ -5,10 +5,12 @@ from __future__ import annotations
 from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity, update_variants
 from ..patching import get_config, without_patch
+from ..ranges import validated
 from ..reports import Report
 from .common import Clock, entry_point, environment, progress_bar, resolve_model, windows
 
 
+@validated()
 @entry_point(patched_model="as is")
 def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None = None, seq_len: int = 512,
                    max_windows: int = 8, batch_size: int = 1, dtype: str = "float32", device: str | None = None,

@@ -8,12 +8,14 @@ import gc
 import math
 import os
 import statistics
+from typing import ClassVar
 
 from ..adapters.repo import patch_record, write_patch_repo
 from ..data import TextSource
 from ..evaluation import perplexity, update_variants
 from ..hub import save_hub_folder
 from ..patching import patch
+from ..ranges import Range, at_least, check_ranges, validated
 from ..reports import Report
 from ..stats import paired_summary
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
@@ -33,9 +35,16 @@ class FinetuneTrainingArguments(TangentTrainingArguments):
 
 @dataclasses.dataclass
 class LoraSettings:
+    """PEFT LoRA settings: rank `r`, scale `alpha`, the Linear layers it adapts (`targets`)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"r": at_least(1), "alpha": at_least(1)}
+
     r: int = 8
     alpha: int = 16
     targets: tuple[str, ...] = ("q_proj", "v_proj", "up_proj", "down_proj")
+
+    def __post_init__(self):
+        check_ranges(self)
 
 
 def finetune_summary(runs: list[dict], baseline: str = "unpatched") -> list[dict]:
@@ -69,7 +78,8 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
     run_dir = os.path.join(args.output_dir, "runs", f"{rule.split(' (')[0].replace(' ', '_')}-seed{seed}")
     trainer = train(run_model, dataset, dataclasses.replace(args, output_dir=run_dir, seed=seed, data_seed=seed))
     run_model.eval()
-    result = perplexity(run_model, held_out, batch_size=eval_batch_size or args.per_device_eval_batch_size)
+    batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
+    result = perplexity(run_model, held_out, batch_size=batch)
     curve = loss_curve(trainer)
     if record is not None:  # LoRA: a patch repo (the patch and the adapters, unmerged)
         write_patch_repo(os.path.join(run_dir, "patch"), record, {}, peft_model_of(run_model))
@@ -81,6 +91,7 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
             "final_train_loss": curve[-1][1] if curve else None, "loss_curve": curve}
 
 
+@validated()
 @entry_point(patched_model="refused")
 def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
              method: str = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,

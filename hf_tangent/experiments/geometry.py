@@ -24,7 +24,7 @@ from ..geometry import (
     pressure_diversity,
 )
 from ..parallel import sensitivity
-from ..ranges import Range, at_least, check_values
+from ..ranges import LAYER_INDICES, Range, at_least, validated
 from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import spearman
@@ -34,9 +34,10 @@ from .common import Clock, entry_point, progress_bar
 PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 CRITICAL_RANGES = {"random_starts": at_least(0), "token_starts": at_least(0), "steps": at_least(1),
                    "threshold": Range(0, 1, open_low=True), "rel_tol": Range(0, 1, open_high=True),
-                   "tol": Range(0, 1, open_low=True, open_high=True), "max_iter": at_least(1)}
-PRESSURE_RANGES = {"factors": Range(0)}
-FFN_JACOBIAN_RANGES = {"tokens": at_least(1), "top_k": at_least(1)}
+                   "tol": Range(0, 1, open_low=True, open_high=True), "max_iter": at_least(1),
+                   "layers": LAYER_INDICES}
+PRESSURE_RANGES = {"factors": Range(0), "layers": LAYER_INDICES}
+FFN_JACOBIAN_RANGES = {"tokens": at_least(1), "top_k": at_least(1), "layers": LAYER_INDICES}
 
 
 def _layers(model, layers):
@@ -48,6 +49,7 @@ def _layers(model, layers):
     return chosen
 
 
+@validated(CRITICAL_RANGES)
 @entry_point(patched_model="refused")
 def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = None, fields: list[str] = FIELDS,
              protocol: str = "refined", random_starts: int = 32, token_starts: int = 32, steps: int = 300,
@@ -72,8 +74,6 @@ def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = Non
         raise ValueError(f"unknown fields {bad}; accepted: {', '.join(FIELDS)}.")
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}.")
-    check_values(CRITICAL_RANGES, random_starts=random_starts, token_starts=token_starts, steps=steps,
-                 threshold=threshold, tol=tol, max_iter=max_iter, rel_tol=rel_tol)
     if random_starts + token_starts == 0:
         raise ValueError("random_starts=0, token_starts=0: accepted: at least one start.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
@@ -143,6 +143,7 @@ def _critical_totals(rows: list[dict], fields) -> dict:
     return totals
 
 
+@validated(PRESSURE_RANGES)
 @entry_point(patched_model="refused")
 def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
              variants: list[str] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
@@ -162,7 +163,6 @@ def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0
         raise ValueError(f"FFN variants {bad or variants}; accepted: {', '.join(PRESSURE_VARIANTS)}.")
     if not factors:
         raise ValueError("pressure factors []; accepted: numbers >= 0 (1: the model's own scale).")
-    check_values(PRESSURE_RANGES, factors=list(factors))
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     chosen = _layers(model, layers)
     clock = Clock()
@@ -189,6 +189,7 @@ def pressure_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+@validated(FFN_JACOBIAN_RANGES)
 @entry_point(patched_model="refused")
 def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None = None, tokens: int = 16,
                  top_k: int = 8, ablation_report: str | None = None, seq_len: int = 256, max_windows: int = 2,
@@ -204,7 +205,6 @@ def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None =
         layers: which (None = all); tokens: sampled FFN inputs per layer; top_k: hidden units counted
         in the keys/values view; ablation_report: path of an `ablate --layerwise` report.json.
     """
-    check_values(FFN_JACOBIAN_RANGES, tokens=tokens, top_k=top_k)
     costs = _ablation_costs(ablation_report) if ablation_report else {}
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     chosen = _layers(model, layers)

@@ -18,7 +18,7 @@ from ..evaluation import perplexity
 from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
 from ..patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
-from ..ranges import Range, at_least, check_ranges
+from ..ranges import Range, at_least, check_ranges, validated
 from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import paired_permutation_test
@@ -56,11 +56,11 @@ class HealSettings:
     stages: int = 1
 
     def __post_init__(self):
+        check_ranges(self)
         if self.method not in ("lora", "full"):
             raise ValueError(f"method={self.method!r}; accepted: 'lora', 'full'.")
         if self.schedule not in HOMOTOPY_SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
-        check_ranges(self)
         if self.stages > 1 and self.homotopy_fraction == 0:
             raise ValueError(f"stages={self.stages} with homotopy_fraction=0: the stages divide the homotopy's steps, and "
                              "there are none; accepted: homotopy_fraction > 0 with stages > 1, or stages=1.")
@@ -141,6 +141,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
             "homotopy": final if not isinstance(final, dict) else {str(i): v for i, v in final.items()}}
 
 
+@validated({"max_new_tokens": at_least(1)})
 @entry_point(patched_model="refused")
 def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,
          lora: LoraSettings | None = None, seeds: list[int] = (0,), seq_len: int = 256, max_windows: int = 8,
