@@ -1,1 +1,0 @@
-"""Optional compute kernels (Triton). Nothing here is imported unless implementation="triton" is used."""
