@@ -13,6 +13,7 @@ from .config import TangentConfig
 from .data import TextSource
 from .discovery import describe
 from .hub import push_to_hub, save_hub_folder
+from .loading import from_pretrained
 from .models import load_model
 from .parallel import parallelize
 from .patching import (
@@ -27,7 +28,7 @@ from .patching import (
     update_config,
 )
 from .registry import ArchitectureSpec, register_architecture, supported_model_types
-from .serialization import from_config, from_pretrained, save_pretrained
+from .serialization import from_config, save_pretrained
 
 # The Python API of every recipe (hf_tangent.experiments), loaded lazily: it imports the Trainer.
 _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
@@ -39,10 +40,20 @@ _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "fin
 
 
 def __getattr__(name: str):
+    # imported on first use, not to dodge a cycle: the recipe API imports the Trainer, which `import
+    # hf_tangent` (and the command line's --help) should not pay for
     if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        if _LAZY[name] == "experiments":
+            from . import experiments as module
+        elif _LAZY[name] == "studies":
+            from . import studies as module
+        elif _LAZY[name] == "reports":
+            from . import reports as module
+        elif _LAZY[name] == "training":
+            from . import training as module
+        else:
+            from . import healing as module
+        return getattr(module, name)
     raise AttributeError(f"module 'hf_tangent' has no attribute {name!r}")
 
 

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import torch
 
 from .config import TangentConfig
+from .discovery import architecture
 from .evaluation import window_nll
 from .patching import get_config, patch, unpatch
-from .registry import architecture
 
 VARIANTS = ("full", "zero_ffn", "radial_only", "tangential_only", "attention_zero")
 _RULE_OF = {"zero_ffn": "zero", "radial_only": "radial", "tangential_only": "projected"}

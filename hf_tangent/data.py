@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .models import cache_dir
+from .checkpoints import cache_dir
 
 AUSTEN_SPLITS = {
     "calibration": ("prideprejudice", "sensesensibility", "northangerabbey"),

@@ -32,7 +32,7 @@ RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.
 # The package modules a patched folder carries as remote code (hub.py copies them; transformers copies
 # them again into its module cache).
 REMOTE_CODE_MODULES = ("_version.py", "calls.py", "config.py", "rules.py", "fused.py", "fused_parallel.py",
-                       "registry.py", "discovery.py", "wrappers.py", "layer.py", "patching.py", "destinations.py",
+                       "registry.py", "discovery.py", "wrappers.py", "layer.py", "patching.py", "destinations.py", "triton_update.py",
                        "configuration_hf_tangent.py", "modeling_hf_tangent.py")
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.

@@ -20,7 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .registry import architecture, first_output
+from .discovery import architecture
+from .evaluation import forward_windows
+from .registry import first_output
 
 EPS = 1e-6
 # name -> description; the order is the order of the records and plots
@@ -209,8 +211,6 @@ def diagnose(model, windows: torch.Tensor, *, layers: list[int] | None = None, b
     """Per-layer records over token windows (n, T); the model's mode is left as it was."""
     if len(windows) == 0:
         raise ValueError("diagnostics: no windows to run on.")
-    from .evaluation import forward_windows
-
     was_training = model.training
     model.eval()
     try:

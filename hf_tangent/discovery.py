@@ -24,7 +24,17 @@ import re
 import torch
 from torch import nn
 
-from .registry import ArchitectureSpec, base_model_type, get_registered, remember_discovered
+from .registry import CONFIG_KEY, ArchitectureSpec, base_model_type, get_registered, remember_discovered
+from .wrappers import require_model
+
+# How to take a model's patch off while probing it: patching.py registers its `disabled` here when it is
+# imported (it builds on this module; a patched model exists only once it is imported).
+_UNPATCHED = [lambda model: contextlib.nullcontext(model)]
+
+
+def register_unpatching(context) -> None:
+    """`context(model)`: the model without its patch inside the block (patching.disabled)."""
+    _UNPATCHED[0] = context
 
 _VERIFIED: dict = {}  # (model class, spec, config) -> Verification
 _PROBE_TOKENS = 8
@@ -70,10 +80,8 @@ def _probe_ids(model) -> torch.Tensor:
 @contextlib.contextmanager
 def _probing(model, *, training: bool = False, seed: int = 0):
     """The model as the probe sees it: its patch off, eval (or training) mode, no grad, RNG untouched."""
-    from .patching import disabled  # patching imports this module
-
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with disabled(model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=cuda):
+    with _UNPATCHED[0](model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
 
@@ -247,8 +255,6 @@ def _has_dropout(model) -> bool:
 
 
 def _cache_key(model, spec):
-    from .patching import CONFIG_KEY
-
     config = {k: v for k, v in model.config.to_dict().items() if k != CONFIG_KEY}
     dtype = next((p.dtype for p in model.parameters()), None)
     return type(model), spec, json.dumps(config, sort_keys=True, default=str), dtype
@@ -444,10 +450,20 @@ def resolve_spec(model) -> ArchitectureSpec:
     return get_registered(model) or discover(model)
 
 
+def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
+    """(spec, decoder layers) of a supported or patched model: the one place a model's architecture is
+    resolved (an unregistered type is discovered and cached the way patch does)."""
+    spec = resolve_spec(model)
+    return spec, spec.decoder_layers(model)
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The decoder layers of any supported model."""
+    return architecture(model)[1]
+
+
 def describe(model) -> str:
     """What hf_tangent found for this model: the spec, where it came from, and the per-layer verification."""
-    from .patching import require_model  # patching.py builds on this module
-
     model = require_model(model, "describe")
     spec = resolve_spec(model)
     layers = spec.decoder_layers(model)

@@ -12,6 +12,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .config import TangentConfig
+from .patching import get_config, patch, unpatch
+
 PERPLEXITY_METRIC = os.path.join(os.path.dirname(__file__), "metrics", "tangent_perplexity")
 
 
@@ -89,8 +92,6 @@ def strided_perplexity(model, token_ids: torch.Tensor, seq_len: int, stride: int
 
 def update_variants() -> dict:
     """The update rules compared by `hf-tangent eval`, by display name (None = unpatched)."""
-    from .config import TangentConfig
-
     return {
         "unpatched": None,
         "add": TangentConfig(update="add"),
@@ -109,8 +110,6 @@ def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = No
                       progress=None) -> list[dict]:
     """Held-out NLL/perplexity of the unpatched model and of each named update variant (applied to
     every layer, no training), with deltas against the unpatched row. The model is left unpatched."""
-    from .patching import get_config, patch, unpatch
-
     if get_config(model) is not None:
         raise ValueError("evaluate_variants expects an unpatched model.")
     variants = update_variants()

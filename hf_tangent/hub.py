@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .destinations import REMOTE_CODE_MODULES as REMOTE_CODE_FILES
 from .destinations import check_destination, replacing
-from .patching import CONFIG_KEY, get_config
+from .patching import CONFIG_KEY, get_config, register_patched_format
 from .registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from .serialization import save_pretrained
 from .wrappers import full_state_dict, model_class, unwrap
@@ -73,6 +73,7 @@ from .layer import TangentLayer  # noqa: F401
 from .patching import CONFIG_KEY, patch, set_homotopy
 from .registry import get_spec  # noqa: F401
 from .rules import residual_delta  # noqa: F401
+from .triton_update import triton_residual_delta  # noqa: F401  (triton itself is imported only if installed)
 from .wrappers import unwrap  # noqa: F401
 
 
@@ -128,6 +129,9 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
     data["auto_map"] = {"AutoConfig": f"{REMOTE_CONFIG_FILE[:-3]}.{names['config_class']}",
                         "AutoModelForCausalLM": f"{REMOTE_MODELING_FILE[:-3]}.{names['architecture']}"}
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+register_patched_format(write_patched_format)  # what a patched model's save_pretrained writes
 
 
 def render_model_card(context: dict) -> str:

@@ -7,8 +7,6 @@ thread, and never outlives the call; on every call the layer checks that each of
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
@@ -23,10 +21,11 @@ _KERNELS: dict = {}  # implementation -> delta function, for the optional kernel
 
 
 def _load_triton():
-    # imported by name: the Hub folder's remote code (which falls back to "fused") ships no kernels,
-    # and transformers requires a file for every relative import statement it finds
+    # triton is an optional extra: its kernels are imported only when implementation="triton" is used
     if "triton" not in _KERNELS:
-        _KERNELS["triton"] = importlib.import_module(".kernels.triton_update", __package__).triton_residual_delta
+        from .triton_update import triton_residual_delta
+
+        _KERNELS["triton"] = triton_residual_delta
     return _KERNELS["triton"]
 
 

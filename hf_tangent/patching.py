@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib
 import os
 import warnings
 
@@ -31,30 +30,18 @@ from torch import nn
 
 from .config import TangentConfig
 from .destinations import AtomicSave
-from .discovery import require_verified, resolve_spec
+from .discovery import register_unpatching, require_verified, resolve_spec
 from .layer import TangentLayer
-from .registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, ArchitectureSpec, base_model_type
-from .wrappers import ddp_wrapper_of, model_class, sharding_engine, unwrap
+from .registry import BASE_TYPE_ATTR, CONFIG_KEY, PATCHED_CLASS_PREFIX, ArchitectureSpec, base_model_type
+from .wrappers import ddp_wrapper_of, model_class, require_model, sharding_engine, unwrap
 
 CHILD_NAME = "tangent_patch"
-CONFIG_KEY = "hf_tangent"  # the patch's record in model.config / config.json
 _MODEL_ATTR = "_hf_tangent_config"
 _OWN_CONFIG_ATTR = "_hf_tangent_own_config"  # the model's private transformers config
 _DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: patch / unpatch refuse there
 
 
 # ----------------------------------------------------------------------------- checks
-def require_model(model, function: str):
-    """The transformers model inside any wrapper, or a TypeError that names what was passed."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"hf_tangent.{function} expects a transformers model (nn.Module), got {type(model).__name__}.")
-    base = unwrap(model)
-    if getattr(getattr(base, "config", None), "model_type", None) is None:
-        raise TypeError(f"hf_tangent.{function} expects a transformers model (a module with config.model_type), got "
-                        f"{type(base).__name__}.")
-    return base
-
-
 def _refuse_inside_disabled(base, function: str) -> None:
     if vars(base).get(_DISABLED_ATTR):
         raise ValueError(f"hf_tangent.{function}: the model is inside `with hf_tangent.disabled(model):`, which puts its "
@@ -208,12 +195,22 @@ def _saving_config_class(base: type) -> type:
     return cls
 
 
-def _save_patched_config(self, save_directory, push_to_hub: bool = False, **kwargs):
-    # hub.py builds on this module; imported by name because the remote code (which never gets here:
-    # its config class saves right already) ships no hub.py, and transformers wants a file for every
-    # relative import statement it finds
-    write_patched_format = importlib.import_module(".hub", __package__).write_patched_format
+# What turns a saved config.json into the patched folder format: hub.write_patched_format, registered by
+# hub.py when it is imported (hf_tangent's __init__ imports it; the remote code never needs it: its config
+# class saves right already). Unregistered, a save refuses rather than writing a folder that loads as its base.
+_PATCHED_FORMAT_WRITER: list = []
 
+
+def register_patched_format(writer) -> None:
+    """`writer(folder, config)`: rewrite the config.json a patched model's config just wrote (hub.py)."""
+    _PATCHED_FORMAT_WRITER[:] = [writer]
+
+
+def _save_patched_config(self, save_directory, push_to_hub: bool = False, **kwargs):
+    if not _PATCHED_FORMAT_WRITER:
+        raise RuntimeError("hf_tangent: the patched folder format is not registered (import hf_tangent, which "
+                           "registers it) — a plain save would load as the unpatched base.")
+    write_patched_format = _PATCHED_FORMAT_WRITER[0]
     if push_to_hub:  # push_to_hub saves into a folder of its own, through this method, then uploads
         return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory))), **kwargs)
     type(self).__mro__[1].save_pretrained(self, save_directory, **kwargs)
@@ -393,6 +390,9 @@ def disabled(model):
             yield model
         finally:
             vars(base).pop(_DISABLED_ATTR, None)
+
+
+register_unpatching(disabled)  # discovery probes a model with its patch off
 
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")

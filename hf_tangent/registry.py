@@ -170,7 +170,7 @@ def base_model_type(config) -> str:
 
 _REGISTRY: dict[str, ArchitectureSpec] = {}
 _DISCOVERED: dict[type, ArchitectureSpec] = {}  # model class -> spec found by discovery.py
-_RECORD_KEY = "hf_tangent"  # the patch record in model.config (patching.CONFIG_KEY)
+CONFIG_KEY = "hf_tangent"  # the patch record in model.config / config.json
 
 
 def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bool = False, **fields) -> ArchitectureSpec:
@@ -215,7 +215,7 @@ def get_registered(model) -> ArchitectureSpec | None:
     spec = _DISCOVERED.get(type(model))
     if spec is not None and spec.model_type == model_type:
         return spec
-    saved = (getattr(model.config, _RECORD_KEY, None) or {}).get("architecture")
+    saved = (getattr(model.config, CONFIG_KEY, None) or {}).get("architecture")
     if isinstance(saved, dict) and saved.get("model_type") == model_type:
         return ArchitectureSpec.from_dict(saved)
     return None
@@ -224,21 +224,6 @@ def get_registered(model) -> ArchitectureSpec | None:
 def remember_discovered(model, spec: ArchitectureSpec) -> ArchitectureSpec:
     _DISCOVERED[type(model)] = spec
     return spec
-
-
-def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
-    """(spec, decoder layers) of a supported or patched model: the one place a model's architecture is resolved."""
-    spec = get_registered(model)
-    if spec is None:  # an unregistered type: discovered (and cached) the way patch does
-        from .discovery import discover  # discovery.py builds on this module
-
-        spec = discover(model)
-    return spec, spec.decoder_layers(model)
-
-
-def decoder_layers(model) -> nn.ModuleList:
-    """The decoder layers of any supported model."""
-    return architecture(model)[1]
 
 
 _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",

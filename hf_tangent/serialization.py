@@ -1,17 +1,16 @@
-"""Saving and reloading a patched model.
+"""Saving and reloading a patched model (complete folders; patch repos are adapters/repo.py).
 
 `model.save_pretrained` needs no help on one process: the patch's record sits in `model.config`
 (config.json key "hf_tangent") and the gates are parameters of the model (keys
 `...tangent_patch.gate`, float32, shape (1,); releases before 0.2 wrote shape ()). `save_pretrained`
 here also gathers a sharded model (FSDP1, FSDP2, ZeRO-3) and writes it on rank 0.
 
-`from_pretrained` is strict: it checks the record, the weights and the model against each other
+`load_patched_folder` is strict: it checks the record, the weights and the model against each other
 in both directions and names every mismatch (file and field) before it returns a model.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -22,8 +21,9 @@ from pathlib import Path
 import torch
 
 from .config import TangentConfig
+from .discovery import architecture
 from .patching import CHILD_NAME, CONFIG_KEY, _is_lambda, patch, set_homotopy, tangent_layers
-from .registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, architecture, base_model_type
+from .registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, base_model_type
 from .wrappers import full_state_dict, model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
@@ -216,32 +216,12 @@ def _check_against_model(record: dict, config: TangentConfig, gates: dict, model
         _fail(where, "the patch does not match its model: " + "; ".join(problems) + ".")
 
 
-def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: str | None = None,
-                    base_revision: str | None = None, merge: bool = False, skip_base_check: bool = False,
-                    base_trust_remote_code: bool = False, **kwargs):
-    """Load a patched model: a folder (or hub repo) written by a patched model's `save_pretrained`, or a
-    patch repo written by `save_patch` (the base is loaded from its own repo, then patched).
-
-    `path` is the folder or hub id; `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
-    (dtype, device_map, attn_implementation, ...). Patch repos only: `base_model` loads the base from
-    another id or a local mirror (`base_revision` its revision), `merge=True` merges LoRA adapters into
-    the weights, `skip_base_check=True` loads onto a base whose weights and config are not compared
-    with the record, `base_trust_remote_code=True` runs the code of the base the record names
-    (`trust_remote_code=` is refused for a patch repo). Every mismatch between the record, the saved
-    weights and the model raises a ValueError naming the file and field.
-    """
+def load_patched_folder(path: str | os.PathLike, *, model_class=None, **kwargs):
+    """A complete patched folder (or hub repo) written by a patched model's `save_pretrained`, loaded and
+    patched; `model_class` defaults to AutoModelForCausalLM, `kwargs` go to its `from_pretrained`. Every
+    mismatch between the record, the saved weights and the model raises a ValueError naming the file and
+    field. (`hf_tangent.from_pretrained`, in loading.py, dispatches between this and patch repos.)"""
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
-    repo = importlib.import_module(".adapters.repo", __package__)  # patch repos build on this module
-    if repo.is_patch_repo(path, **hub_kwargs):
-        if model_class is not None:
-            raise ValueError("hf_tangent.from_pretrained: model_class= is not accepted for a patch repo; its base class "
-                             "is recorded.")
-        return repo.load_patch(path, base_model=base_model, base_revision=base_revision, merge=merge,
-                               skip_base_check=skip_base_check, base_trust_remote_code=base_trust_remote_code, **kwargs)
-    if base_model is not None or base_revision is not None or merge or skip_base_check or base_trust_remote_code:
-        raise ValueError(f"hf_tangent.from_pretrained: base_model=, base_revision=, merge=, skip_base_check= and "
-                         f"base_trust_remote_code= apply to patch repos; {path!s} is a full model folder (its weights "
-                         "are in it).")
     _, data, record = _read_config(path, **hub_kwargs)
     where = f"{Path(str(path)) / 'config.json'}"
     try:

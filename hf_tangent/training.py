@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from .diagnostics import QUANTITIES, diagnose
 from .patching import CHILD_NAME, tangent_layers
 from .ranges import SEED, Range, at_least, check_ranges
 from .wrappers import full_parameters, full_value
@@ -344,8 +345,6 @@ def diagnostics_callback(windows: torch.Tensor, *, every_n_steps: int = 50, laye
                          batch_size: int = 1) -> ObserveCallback:
     """An ObserveCallback that runs the diagnostics on fixed `windows` every N steps and logs the
     per-layer means as diagnostics/layer_<i>/<quantity>. Attach with `callback.attach(trainer)`."""
-    from .diagnostics import QUANTITIES, diagnose
-
     unknown = [q for q in quantities if q not in QUANTITIES]
     if unknown:
         raise ValueError(f"unknown diagnostics {unknown}; accepted: {', '.join(QUANTITIES)}.")

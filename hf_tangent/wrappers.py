@@ -158,3 +158,14 @@ def full_state_dict(model) -> dict[str, torch.Tensor] | None:
     else:
         state = {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
     return state if rank == 0 else None
+
+
+def require_model(model, function: str):
+    """The transformers model inside any wrapper, or a TypeError that names what was passed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hf_tangent.{function} expects a transformers model (nn.Module), got {type(model).__name__}.")
+    base = unwrap(model)
+    if getattr(getattr(base, "config", None), "model_type", None) is None:
+        raise TypeError(f"hf_tangent.{function} expects a transformers model (a module with config.model_type), got "
+                        f"{type(base).__name__}.")
+    return base

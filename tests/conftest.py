@@ -8,7 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Without a GPU, Triton kernels run in triton's interpreter on CPU tensors (read when a kernel is
-# decorated, so before anything imports hf_tangent.kernels).
+# decorated, so before anything imports hf_tangent.triton_update).
 if os.environ.get("HF_TANGENT_TEST_CUDA") != "1" and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path

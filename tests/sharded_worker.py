@@ -51,7 +51,7 @@ def batches(seed: int = 0) -> list[torch.Tensor]:
 
 
 def layer_class(model):
-    return type(ht.registry.decoder_layers(model)[0])
+    return type(ht.discovery.decoder_layers(model)[0])
 
 
 def wrap(model, engine: str, mode: str):
@@ -68,7 +68,7 @@ def wrap(model, engine: str, mode: str):
                                         use_orig_params=True, device_id=torch.device("cpu"), mixed_precision=precision)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in ht.registry.decoder_layers(model):
+    for layer in ht.discovery.decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model

@@ -325,8 +325,9 @@ def test_one_changed_embedding_row_in_the_middle_is_refused(tiny_lm_folder, tmp_
     other = _variant(tiny_lm_folder, tmp_path, "one_row", one_row)
     with pytest.raises(PatchRepoError, match="the weights differ"):
         ht.from_pretrained(folder, base_model=other)
-    with pytest.raises(PatchRepoError, match="the weights differ"):  # also at bfloat16 and float16
-        ht.from_pretrained(folder, base_model=other, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):  # also at bfloat16 and float16
+        with pytest.raises(PatchRepoError, match="the weights differ"):
+            ht.from_pretrained(folder, base_model=other, dtype=dtype)
 
 
 @pytest.mark.parametrize("field, value", [("rms_norm_eps", 1e-3), ("rope_theta", 500.0), ("hidden_act", "gelu"),
@@ -521,3 +522,29 @@ def test_recipe_output_folders_refuse_foreign_files(tmp_path):
     (tmp_path / "run" / "report.json").write_text("{}")
     assert claim_run_folder(tmp_path / "run") == (tmp_path / "run").resolve()
     assert not (tmp_path / "new").exists() and claim_run_folder(tmp_path / "new") and not (tmp_path / "new").exists()
+
+
+def test_save_pretrained_with_push_to_hub_stages_and_pushes_the_new_folder_only(tiny_lm_folder, tmp_path, monkeypatch):
+    """transformers' push path writes into the folder and uploads it: staged, so the pushed files are the
+    new save's, the repo is named after the folder (not the staging folder), and the folder is replaced whole."""
+    from transformers.utils import hub
+
+    pushed = {}
+
+    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        pushed["repo_id"], pushed["files"] = repo_id, sorted(p.name for p in Path(working_dir).iterdir())
+
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    import transformers.modeling_utils
+
+    class Api:
+        def create_repo(self, repo_id, **kwargs):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+    monkeypatch.setattr(transformers.modeling_utils, "hf_api", lambda: Api())
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "pushed")
+    model = gated(tiny_lm_folder, 0.75)
+    model.save_pretrained(folder, push_to_hub=True)
+    assert pushed["repo_id"].endswith("pushed") and "hf_tangent_patch.json" not in pushed["files"]
+    assert not (folder / "hf_tangent_patch.json").exists()
+    assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))

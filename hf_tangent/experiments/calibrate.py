@@ -7,11 +7,11 @@ import os
 from ..adapters.repo import patch_record, push_patch, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
+from ..discovery import decoder_layers
 from ..evaluation import evaluate_variants, perplexity
 from ..hub import save_hub_folder
 from ..patching import patch
 from ..ranges import validated
-from ..registry import decoder_layers
 from ..reports import Report, calibrate_results_markdown, training_card
 from ..training import (
     TangentTrainingArguments,

@@ -11,6 +11,7 @@ import torch
 
 from .._version import __version__
 from ..data import pack_windows
+from ..models import load_model
 from ..patching import get_config, preserved, require_model
 from ..ranges import TEXT_RANGES, check_values
 
@@ -19,8 +20,6 @@ def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "f
                   seed: int = 0):
     """(model, tokenizer, name). A name (offline name, folder, hub id) is loaded with `dtype` onto
     `device`; a model object is used as it is and needs its tokenizer."""
-    from ..models import load_model
-
     if isinstance(model, str):
         torch.manual_seed(seed)
         loaded, loaded_tokenizer = load_model(model, dtype=dtype, device=device)

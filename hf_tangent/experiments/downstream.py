@@ -74,7 +74,7 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
             run(variant, model.eval())
     for folder in model_folders:
         from ..adapters.repo import is_patch_repo
-        from ..serialization import from_pretrained
+        from ..loading import from_pretrained
 
         merge = {"merge": True} if is_patch_repo(folder) else {}  # LoRA of a patch repo merged; a full folder has none
         loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)

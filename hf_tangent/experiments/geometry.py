@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 
 from ..ablation import VARIANTS as ABLATIONS
+from ..discovery import decoder_layers
 from ..geometry import (
     FIELDS,
     GAIN_REGIMES,
@@ -25,7 +26,6 @@ from ..geometry import (
 )
 from ..parallel import sensitivity
 from ..ranges import LAYER_INDICES, Range, at_least, validated
-from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import spearman
 from .analysis import _setup

@@ -14,12 +14,12 @@ import torch
 from ..adapters.repo import patch_record, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
+from ..discovery import decoder_layers
 from ..evaluation import perplexity
 from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
 from ..patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
 from ..ranges import Range, at_least, check_ranges, validated
-from ..registry import decoder_layers
 from ..reports import Report
 from ..stats import paired_permutation_test
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary

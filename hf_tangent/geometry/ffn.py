@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..registry import architecture
+from ..discovery import architecture
 from .sphere import EPS, batched_jacobian, effective_rank, project, tangent_basis, unit
 
 

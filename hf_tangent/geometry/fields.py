@@ -11,8 +11,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ..discovery import architecture
 from ..patching import get_config
-from ..registry import architecture, first_output
+from ..registry import first_output
 from .sphere import unit
 
 FIELDS = ("attention", "ffn", "full")  # the reduced fields of a layer (critical.py)

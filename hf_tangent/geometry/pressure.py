@@ -7,8 +7,10 @@ from contextlib import contextmanager
 
 import torch
 
+from ..ablation import ablated
 from ..diagnostics import record
-from ..registry import architecture
+from ..discovery import architecture
+from ..evaluation import forward_windows
 
 ZERO_FACTOR = 1e-9  # attention_pressure's stand-in for 0
 
@@ -45,9 +47,6 @@ def attention_pressure(model, factor: float):
 def pressure_diversity(model, windows: torch.Tensor, factors, variants, *, layers=None, progress=None) -> list[dict]:
     """Spherical diversity D before attention, after attention and after the FFN, per layer, for
     every (pressure factor, FFN variant): one forward per window each."""
-    from ..ablation import ablated
-    from ..evaluation import forward_windows
-
     was_training = model.training
     model.eval()
     rows = []
