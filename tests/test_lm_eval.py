@@ -44,11 +44,47 @@ def test_the_shipped_tasks_regenerate_from_the_novels(tmp_path):
 
     if not SHARED_AUSTEN.is_dir():
         pytest.skip("the whole novels are in ../shared only")
-    assert tasks.build(SHARED_AUSTEN, tmp_path) == {"austen_lastword": 1960, "austen_nextsentence": 2000}
+    assert tasks.build(SHARED_AUSTEN, tmp_path) == {"austen_lastword": 1960, "austen_nextsentence": 1192,
+                                                    "austen_perplexity": 103}
     for task in tasks.TASKS:
         assert (tmp_path / f"{task}.jsonl").read_bytes() == tasks.data_file(task).read_bytes()
     item = _items("austen_nextsentence", 1)[0]
     assert len(item["choices"]) == 4 and 0 <= item["gold"] < 4 and item["novel"] in ("emma", "mansfieldpark")
+
+
+def test_the_sentence_splitter_keeps_closing_quotes_with_their_sentence():
+    paragraph = '"Six years hence! Dear Miss Woodhouse, he would be thirty!" said she. \'Tis so. Mr. Knightley came.'
+    assert tasks._sentences(paragraph) == ['"Six years hence!', 'Dear Miss Woodhouse, he would be thirty!" said she.',
+                                           "'Tis so.", "Mr. Knightley came."]
+    assert tasks._sentences('He said, "No." She smiled.') == ['He said, "No."', "She smiled."]
+
+
+def test_nextsentence_items_are_independent_and_their_choices_look_alike():
+    """No item's answer or distractor is in another item's context (so the bootstrap's items are
+    independent), the four choices of an item share their surface cell (position in the paragraph,
+    punctuation, quotation state, length bin), and the true one is uniform over the four cells'
+    members: its position among the choices and whether it was the drawn one are chance."""
+    from collections import Counter
+
+    from conftest import SHARED_AUSTEN
+
+    items = [json.loads(line) for line in tasks.data_file("austen_nextsentence").read_text(encoding="utf-8").splitlines()]
+    contexts = "\n".join(i["context"] for i in items)
+    owner = [k for k, i in enumerate(items) for _ in range(len(i["context"]) + 1)]  # the item of each character
+    for k, item in enumerate(items):
+        for choice in item["choices"]:
+            start = contexts.find(choice)
+            assert start == -1, (k, owner[start], choice)  # not even in its own item's context
+    assert len({c for i in items for c in i["choices"]}) == 4 * len(items)  # no sentence in two items
+    golds = Counter(i["gold"] for i in items)
+    assert all(abs(n - len(items) / 4) < 4 * (len(items) * 3 / 16) ** 0.5 for n in golds.values()), golds
+    if not SHARED_AUSTEN.is_dir():
+        pytest.skip("the cells are read from the whole novels in ../shared")
+    rows = {r["text"]: r for n in tasks.NOVELS
+            for r in tasks.sentence_table((SHARED_AUSTEN / f"{n}.txt").read_text(encoding="utf-8"))}
+    for item in items:
+        cells = {tasks.surface_cell(rows[c]) for c in item["choices"]}
+        assert len(cells) == 1, item
 
 
 def test_lastword_accuracy_against_greedy_match_with_plain_transformers():
@@ -153,3 +189,82 @@ def test_model_folders_take_full_folders_and_patch_repos(tiny, tmp_path):
                         model_folders=[str(tmp_path / "full"), str(tmp_path / "patch")])
     results = report["results"]
     assert results[str(tmp_path / "full")] == results[str(tmp_path / "patch")] == results["as given"]
+
+
+def _group_folder(folder, sizes=(6, 4)):
+    """A small local group task (MMLU-style): two multiple-choice subtasks over the first shipped
+    next-sentence items, and a group over them whose acc is size-weighted."""
+    subtasks = []
+    for k, n in enumerate(sizes):
+        name = f"tiny_sub_{k}"
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(i) + "\n" for i in _items("austen_nextsentence", 12)[6 * k:6 * k + n]),
+                        encoding="utf-8")
+        text = tasks._YAML["austen_nextsentence"].format(data=json.dumps(str(data)))
+        (folder / f"{name}.yaml").write_text(text.replace("task: austen_nextsentence", f"task: {name}"), encoding="utf-8")
+        subtasks.append(name)
+    (folder / "tiny_group.yaml").write_text(
+        "group: tiny_group\ntask:\n" + "".join(f"  - {s}\n" for s in subtasks)
+        + "aggregate_metric_list:\n  - metric: acc\n    aggregation: mean\n    weight_by_size: true\n"
+        + "metadata:\n  version: 1.0\n", encoding="utf-8")
+    return subtasks
+
+
+def test_a_group_task_gets_paired_differences_per_subtask_and_for_the_group(tiny, tmp_path):
+    """lm-eval keeps a group's per-sample outputs under its subtasks: the paired differences used to
+    come back empty for the group. Now each subtask has its own and the group the size-weighted one,
+    its bootstrap resampling within each subtask."""
+    model, tokenizer, _ = tiny
+    subtasks = _group_folder(tmp_path)
+    report = ht.lm_eval(model, tokenizer, tasks=["tiny_group"], variants=["unpatched", "projected"],
+                        include_path=str(tmp_path), bootstrap=300)
+    assert report["groups"] == {"tiny_group": subtasks} and report["unpaired"] == {}
+    paired = report["paired"]["projected"]
+    results = report["results"]
+    for name, n in zip(subtasks, (6, 4), strict=True):
+        assert paired[name]["acc"]["n"] == n
+        expected = results["projected"][name]["acc,none"] - results["unpatched"][name]["acc,none"]
+        assert paired[name]["acc"]["diff"] == pytest.approx(expected)
+    group = paired["tiny_group"]["acc"]
+    assert group["n"] == 10 and group["subtasks"] == 2
+    assert group["diff"] == pytest.approx((6 * paired[subtasks[0]]["acc"]["diff"] + 4 * paired[subtasks[1]]["acc"]["diff"]) / 10)
+    assert group["diff"] == pytest.approx(results["projected"]["tiny_group"]["acc,none"]
+                                          - results["unpatched"]["tiny_group"]["acc,none"])
+    assert group["low"] <= group["diff"] <= group["high"]
+
+
+def test_a_task_with_nothing_to_pair_is_said_so():
+    base = {"samples": {"gen": {0: {}, 1: {}}}}
+    paired = {"v": _paired(base, base, bootstrap=10, seed=0)}
+    assert paired["v"] == {"gen": {}}
+    from hf_tangent.experiments.downstream import _unpaired
+
+    assert "no per-sample metric to pair" in _unpaired(paired, ["gen"])["gen"]
+
+
+def test_the_perplexity_task_gives_lm_eval_metrics_and_paired_bits_per_byte(tiny):
+    """austen_perplexity (loglikelihood_rolling over the held-out chapters): lm-eval's word_perplexity,
+    byte_perplexity and bits_per_byte, and the paired difference of bits_per_byte and of log
+    word_perplexity (word_nll) equals the difference of lm-eval's own aggregates."""
+    import math
+
+    model, tokenizer, _ = tiny
+    report = ht.lm_eval(model, tokenizer, tasks=["austen_perplexity"], variants=["unpatched", "projected"],
+                        limit=2, bootstrap=100)
+    unpatched, projected = (report["results"][v]["austen_perplexity"] for v in ("unpatched", "projected"))
+    assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= set(unpatched)
+    paired = report["paired"]["projected"]["austen_perplexity"]
+    assert paired["bits_per_byte"]["n"] == 2
+    assert paired["bits_per_byte"]["diff"] == pytest.approx(projected["bits_per_byte,none"] - unpatched["bits_per_byte,none"])
+    assert paired["word_nll"]["diff"] == pytest.approx(math.log(projected["word_perplexity,none"])
+                                                       - math.log(unpatched["word_perplexity,none"]))
+    assert paired["bits_per_byte"]["low"] <= paired["bits_per_byte"]["diff"] <= paired["bits_per_byte"]["high"]
+
+
+def test_smoke_every_shipped_task_end_to_end(tiny):
+    model, tokenizer, _ = tiny
+    report = ht.lm_eval(model, tokenizer, variants=["unpatched", "projected"], limit=3, bootstrap=50)
+    assert report["tasks"] == list(tasks.TASKS) and report["unpaired"] == {}
+    for task, metric in (("austen_lastword", "acc"), ("austen_nextsentence", "acc_norm"),
+                         ("austen_perplexity", "bits_per_byte")):
+        assert report["paired"]["projected"][task][metric]["n"] == 3

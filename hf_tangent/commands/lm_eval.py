@@ -16,8 +16,9 @@ class LmEvalArguments(Checked):
     RANGES: ClassVar[dict[str, Range]] = {"limit": at_least(1), "num_fewshot": at_least(0), "bootstrap": at_least(1)}
 
     tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={
-        "help": "lm-eval task names; offline: " + ", ".join(TASKS) + " (held-out Austen, in-domain); with a network "
-                "the Hub tasks too (hellaswag arc_easy lambada_openai ...)"})
+        "help": "lm-eval task names; offline: " + ", ".join(TASKS) + " (held-out Austen, in-domain; austen_perplexity: "
+                "word_perplexity, bits_per_byte); with a network the Hub tasks too (hellaswag arc_easy lambada_openai "
+                "mmlu ...; a group is paired per subtask and as a whole)"})
     variants: list[str] = field(default_factory=lambda: ["unpatched", "projected"], metadata={
         "help": "unpatched and update variants, each on every layer: " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})

@@ -4,14 +4,14 @@ differences against the unpatched model from lm-eval's per-sample outputs."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from ..ablation import paired_bootstrap
 from ..evaluation import update_variants
 from ..harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
-from ..harness.tasks import TASKS
+from ..harness.tasks import TASK_VERSION, TASKS
 from ..patching import get_config, patch, without_patch
 from ..ranges import at_least, validated
 from ..reports import Report
@@ -27,16 +27,20 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
             limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: str = "float32",
             device: str | None = None, seed: int = 0) -> Report:
     """Downstream accuracy of every variant on lm-eval tasks (the `lm-eval` report): the metrics
-    exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task, and per
-    variant the paired difference of each per-sample metric (acc, acc_norm) against "unpatched" with
-    a paired bootstrap interval over the documents.
+    exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task (a group's
+    subtasks included), and per variant the paired difference of each per-sample metric against
+    "unpatched" with a paired bootstrap interval over the documents: acc and acc_norm, a rolling
+    task's bits_per_byte and word_nll (`_paired`), per subtask and for a group; a requested task that
+    has nothing to pair is listed under "unpaired" with the reason.
 
     Args:
         model, tokenizer: a model name (offline name, folder, hub id) or a loaded model with its tokenizer;
             a patched model is evaluated as it is too ("as given").
         tasks: lm-eval task names; the offline defaults are hf_tangent's Austen tasks (austen_lastword,
-            austen_nextsentence), in-domain for the project's calibration text; hub tasks (hellaswag,
-            arc_easy, lambada_openai, ...) need a network.
+            austen_nextsentence, austen_perplexity: lm-eval's word_perplexity, byte_perplexity and
+            bits_per_byte on the held-out novels), in-domain for the project's calibration text; hub
+            tasks (hellaswag, arc_easy, lambada_openai, ...) need a network. A group (mmlu, or your own
+            group YAML) gets paired differences per subtask and for the group.
         variants: "unpatched" and update variant names (`hf-tangent eval`'s names), each on every layer.
         model_folders: saved patched folders or patch repos (healed, converted), evaluated as loaded.
         include_path: a folder of the user's own task YAMLs; num_fewshot, limit (items per task),
@@ -84,11 +88,12 @@ def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[s
     return Report("lm-eval", {
         "command": "lm-eval", "model": name, "tasks": list(tasks), "variants": list(runs),
         "num_fewshot": num_fewshot, "limit": limit, "include_path": include_path, "bootstrap": bootstrap,
-        "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text)"
-                        for t in tasks if t in TASKS},
+        "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text), "
+                           f"task files version {TASK_VERSION}" for t in tasks if t in TASKS},
         "results": {label: r["results"] for label, r in runs.items()},
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
-        "paired": paired, "variant_seconds": seconds, "seconds": clock.seconds,
+        "paired": paired, "groups": runs["unpatched"]["groups"],
+        "unpaired": _unpaired(paired, list(tasks)) if paired else {}, "variant_seconds": seconds, "seconds": clock.seconds,
         **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)})
 
 
@@ -150,18 +155,77 @@ def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
                 raise ValueError(f"{where} ships a tokenizer other than the model's; {accepted}.")
 
 
+ROLLING_PAIRED = {  # a rolling task's paired differences: ratios of sums over the documents
+    "bits_per_byte": ("bytes", 1 / math.log(2)),  # bits per byte: -sum(ll) / sum(bytes) / ln 2
+    "word_nll": ("words", 1.0),  # nats per word: log(word_perplexity)
+}
+
+
+def _interval(strata: list[torch.Tensor], statistic, bootstrap: int, seed: int) -> tuple[float, float]:
+    """95 % percentile interval of statistic(resampled strata): each stratum (a task's documents) is
+    resampled with replacement on its own, so a group keeps its subtasks' sizes."""
+    g = torch.Generator().manual_seed(seed)
+    draws = [s[torch.randint(0, len(s), (bootstrap, len(s)), generator=g)] for s in strata]
+    values = statistic(draws, 1)
+    low, high = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+def _mean(strata, dim=0):
+    return sum(s.sum(dim) for s in strata) / sum(s.shape[dim] for s in strata)
+
+
+def _ratio(scale):
+    def statistic(strata, dim=0):  # columns: (baseline ll - variant ll, count)
+        return scale * sum(s.select(-1, 0).sum(dim) for s in strata) / sum(s.select(-1, 1).sum(dim) for s in strata)
+    return statistic
+
+
 def _paired(variant: dict, baseline: dict, bootstrap: int, seed: int) -> dict:
-    """Per task and paired metric: mean difference variant - baseline over the documents both have,
-    with a paired percentile bootstrap interval (95 %)."""
+    """Per task and paired metric: the difference variant - baseline over the documents both have, with
+    a paired percentile bootstrap interval (95 %, resampling documents). acc and acc_norm: the mean of
+    the per-document differences; a rolling (perplexity) task: bits_per_byte and word_nll (nats per
+    word, the log of word_perplexity), ratios of sums. A group (MMLU-style) gets every subtask's
+    entry and its own: the mean over all its subtasks' documents (size-weighted), the bootstrap
+    resampling within each subtask."""
     out = {}
+    per_leaf: dict[str, dict[str, torch.Tensor]] = {}
     for task, docs in variant["samples"].items():
-        common = sorted(set(docs) & set(baseline["samples"].get(task, {})))
-        out[task] = {}
+        base = baseline["samples"].get(task, {})
+        common = sorted(set(docs) & set(base))
+        out[task], per_leaf[task] = {}, {}
+        if not common:
+            continue
         for metric in PAIRED_METRICS:
-            if not common or metric not in docs[common[0]]:
-                continue
-            diffs = torch.tensor([docs[d][metric] - baseline["samples"][task][d][metric] for d in common],
-                                 dtype=torch.float64)
-            low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed)
-            out[task][metric] = {"diff": diffs.mean().item(), "low": low, "high": high, "n": len(common)}
+            if metric in docs[common[0]]:
+                per_leaf[task][metric] = torch.tensor([docs[d][metric] - base[d][metric] for d in common],
+                                                      dtype=torch.float64)
+        for metric, (count, _) in ROLLING_PAIRED.items():
+            if count in docs[common[0]]:
+                per_leaf[task][metric] = torch.tensor([[base[d]["loglikelihood"] - docs[d]["loglikelihood"], docs[d][count]]
+                                                       for d in common], dtype=torch.float64)
+        for metric, values in per_leaf[task].items():
+            out[task][metric] = _summary([values], metric, bootstrap, seed)
+    for group, leaves in variant.get("groups", {}).items():
+        out[group] = {}
+        for metric in {m for leaf in leaves for m in per_leaf.get(leaf, {})}:
+            strata = [per_leaf[leaf][metric] for leaf in leaves if metric in per_leaf.get(leaf, {})]
+            out[group][metric] = {**_summary(strata, metric, bootstrap, seed), "subtasks": len(strata),
+                                  "aggregation": "size-weighted over the subtasks' documents"}
     return out
+
+
+def _summary(strata: list[torch.Tensor], metric: str, bootstrap: int, seed: int) -> dict:
+    statistic = _ratio(ROLLING_PAIRED[metric][1]) if metric in ROLLING_PAIRED else _mean
+    low, high = _interval(strata, statistic, bootstrap, seed)
+    return {"diff": float(statistic(strata)), "low": low, "high": high, "n": sum(len(s) for s in strata)}
+
+
+def _unpaired(paired: dict, tasks: list[str]) -> dict[str, str]:
+    """The requested tasks that got no paired difference, and why (said in the report, never silently)."""
+    notes = {}
+    for task in tasks:
+        if not any(p.get(task) for p in paired.values()):
+            notes[task] = ("no per-sample metric to pair (acc, acc_norm, or a rolling task's log-likelihood) in "
+                           "lm-eval's outputs for it or its subtasks; only lm-eval's own stderr")
+    return notes
