@@ -702,6 +702,34 @@ def _lm_eval_held_out(label: str, rules: dict):
     return rules.get(label) if entry is None else entry[2](report(entry[1]))
 
 
+LM_EVAL_BASELINES = "lm_eval/task_baselines.json"
+
+
+def lm_eval_baselines() -> str:
+    """No-model baselines of the shipped tasks and of the previous task version (benchmarks/task_baselines.py),
+    next to the unpatched model's accuracy measured on the previous version (the kept lm-eval report)."""
+    b, r = report(LM_EVAL_BASELINES), report(LM_EVAL_REPORT)
+    shipped, previous = b["shipped"], b["previous"]
+    out = [f"`benchmarks/task_baselines.py` on the shipped task files and on the previous version (commit "
+           f"`{previous['commit']}`); n-gram model fitted on the calibration novels ({', '.join(b['calibration_novels'])}); "
+           "expected accuracy under random tie-breaking (last word: a case-insensitive match, an upper bound of lm-eval's "
+           "acc). The model rows: the kept lm-eval run, measured on the previous version only.\n"]
+    for task in ("austen_nextsentence", "austen_lastword"):
+        now, before = shipped[task], previous[task]
+        chance = "" if now["chance"] is None else f", chance {now['chance']:.2f}"
+        rows = [[name, p["what"], f"{p['acc']:.4f}", f"{before['predictors'][name]['acc']:.4f}"]
+                for name, p in now["predictors"].items()]
+        for metric in ("acc", "acc_norm"):
+            value = r["results"]["unpatched"].get(task, {}).get(f"{metric},none")
+            if value is not None:
+                n = r["n_samples"]["unpatched"][task]["effective"]
+                rows.append([f"**{r['model']} unpatched, {metric}**", f"the model ({n} items of the previous version)",
+                             "to be re-measured", f"{value:.4f}"])
+        out.append(f"**{task}** ({now['items']} items now, {before['items']} before{chance})\n\n" + table(
+            ["predictor", "what it reads", "shipped version", "previous version"], rows, "---|---|---:|---:"))
+    return "\n".join(out)
+
+
 def lm_eval_data_size() -> str:
     files = sorted((ROOT / "hf_tangent" / "harness" / "data").glob("*.jsonl"))
     return f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB"
@@ -741,6 +769,7 @@ def lm_eval_results() -> str:
 REGIONS = {
     "lm-eval-results": lm_eval_results,
     "lm-eval-data-size": lm_eval_data_size,
+    "lm-eval-baselines": lm_eval_baselines,
     "core-modules": core_modules,
     "vllm-speed": vllm_speed,
     "patch-repo-sizes": patch_repo_sizes,
