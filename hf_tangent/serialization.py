@@ -77,7 +77,7 @@ def _check_record(record, where: str) -> dict:
         if (not values or not all(_is_lambda(v) for v in values)
                 or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")
                 or not (homotopy.get("steps") is None or (isinstance(homotopy["steps"], int)
-                                                          and not isinstance(homotopy["steps"], bool) and homotopy["steps"] >= 1))):
+                                                          and not isinstance(homotopy["steps"], bool) and homotopy["steps"] >= 0))):
             _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1] or {{layer: number}}, "
                          f"'schedule': 'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
     if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)

@@ -548,3 +548,16 @@ def test_save_pretrained_with_push_to_hub_stages_and_pushes_the_new_folder_only(
     assert pushed["repo_id"].endswith("pushed") and "hf_tangent_patch.json" not in pushed["files"]
     assert not (folder / "hf_tangent_patch.json").exists()
     assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
+
+
+@pytest.mark.parametrize("steps, ok", [(0, True), (12, True), (None, True), (-1, False), ("x", False), (True, False)])
+def test_a_homotopy_schedule_of_zero_steps_loads_and_a_bad_one_is_refused(tiny_lm_folder, tmp_path, steps, ok):
+    """heal records steps=0 when its homotopy ends at once (a 1-step run): that record must load (the
+    first strict check refused it); a negative or non-integer count is refused by field."""
+    folder = ht.save_patch(ht.set_homotopy(gated(tiny_lm_folder), 1.0), tmp_path / "patch")
+    _edit(folder, lambda r: r["patch"].update(homotopy={"lambda": 1.0, "schedule": "linear", "steps": steps}))
+    if ok:
+        assert ht.get_homotopy(ht.from_pretrained(folder)) == 1.0
+    else:
+        with pytest.raises(PatchRepoError, match="field 'hf_tangent.homotopy' must be"):
+            ht.from_pretrained(folder)
