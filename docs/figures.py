@@ -64,6 +64,27 @@ def main_job() -> str:
             f"{h['natural_perplexity']:.2f} -> {h['gated_perplexity']:.2f}).\n")
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def main_job_files() -> str:
+    """What the main job writes (a measured run's folder, benchmarks/main_job_files.py), by file."""
+    r = report("offline_default_files.json")
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for path, size in r["files"].items():
+        top = path.split("/", 1)[0]
+        groups.setdefault(top if "/" in path else "", []).append((path, size))
+    lines = [f"`runs/offline_default/` after the run ({_size(r['total_bytes'])} in all):"]
+    for top, entries in sorted(groups.items(), key=lambda kv: (kv[0] != "", kv[0])):
+        if not top:
+            lines += [f"- `{path}` {_size(size)}" for path, size in entries]
+        else:
+            inside = ", ".join(f"`{path.split('/', 1)[1]}` {_size(size)}" for path, size in entries)
+            lines.append(f"- `{top}/` {_size(sum(size for _, size in entries))}: {inside}")
+    return "\n".join(lines) + "\n"
+
+
 def sweep_count() -> str:
     r = report("hostile_sweep.json")
     o = r["outcomes"]
@@ -776,6 +797,7 @@ REGIONS = {
     "performance-tables": performance_tables,
     "performance-notes": performance_notes,
     "main-job": main_job,
+    "main-job-files": main_job_files,
     "sweep-count": sweep_count,
     "eval-table": lambda: eval_table("eval_smollm2.json"),
     "results-main-job": results_main_job,
