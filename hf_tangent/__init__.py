@@ -35,7 +35,7 @@ _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "fin
          "ablate": "experiments", "diagnose_layers": "experiments", "layer_sensitivity": "experiments",
          "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
          "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
-         "HealSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
+         "HealSettings": "experiments", "LoraSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
          "pressure": "experiments", "ffn_jacobian": "experiments", "lm_eval": "experiments"}
 
 

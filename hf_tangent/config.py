@@ -37,7 +37,9 @@ def _fail(name: str, value: Any, accepted: str) -> None:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A number, not a bool, and within float range (an int like 10**400 is not: no float holds it)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+        not (isinstance(value, numbers.Integral) and abs(int(value)) >= 2**1024)
 
 
 def _index_tuple(name: str, value: Any) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .checkpoints import cache_dir
+from .ranges import check_ranges
 
 AUSTEN_SPLITS = {
     "calibration": ("prideprejudice", "sensesensibility", "northangerabbey"),
@@ -216,6 +217,7 @@ class TextSource:
     calibration_documents: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        check_ranges(self)  # every field's type (ranges.py), as for every options object
         given = [n for n in ("text_files", "dataset", "documents") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"pass one evaluation text source, not {' and '.join(given)}.")

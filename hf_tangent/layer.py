@@ -36,7 +36,10 @@ class TangentLayer(nn.Module):
         if not isinstance(config, TangentConfig):
             raise TypeError(f"TangentLayer: config={config!r} has the wrong type ({type(config).__name__}); accepted: a "
                             "TangentConfig.")
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"TangentLayer: index={index!r} has the wrong type ({type(index).__name__}); accepted: an "
+                            "integer >= 0.")
+        if index < 0:
             raise ValueError(f"TangentLayer: index={index!r} is out of range; accepted: an integer >= 0.")
         for name, flag in (("update", update), ("parallel", parallel)):
             if not isinstance(flag, bool):

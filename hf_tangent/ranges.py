@@ -44,12 +44,17 @@ class Range:
     allow_inf: str | None = None
 
     def accepts(self, value) -> bool:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return False
-        if math.isinf(value) and not self.allow_inf:
-            return False
-        if self.integer and not isinstance(value, numbers.Integral):
-            return False
+        if isinstance(value, numbers.Integral):  # exact, however large: no float conversion (10**400)
+            value = int(value)
+            if not self.integer and not _fits_float(value):
+                return False  # a number option: an int beyond float range is no finite number
+        else:
+            if math.isnan(value) or (math.isinf(value) and not self.allow_inf):
+                return False
+            if self.integer:
+                return False
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
             return False
         return not (self.high is not None and (value >= self.high if self.open_high else value > self.high))
@@ -61,6 +66,14 @@ class Range:
         high = None if self.high is None else f"{'<' if self.open_high else '<='} {_number(self.high)}"
         text = " and ".join([f"{kind} {low or high or ''}".strip()] + ([high] if low and high else []))
         return f"{text} (inf: {self.allow_inf})" if self.allow_inf else text
+
+
+def _fits_float(value: int) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _number(x) -> str:
@@ -93,11 +106,22 @@ class RangeError(ValueError):
 
     def __init__(self, name: str, value, accepted: str):
         self.name, self.value, self.accepted = name, value, accepted
-        super().__init__(f"{name}={value!r} {self.problem}; accepted: {accepted}.")
+        super().__init__(f"{name}={shown(value)} {self.problem}; accepted: {accepted}.")
 
     def as_option(self) -> str:
         """The same error in command-line words: `--seq-len 1 is out of range; accepted: ...`."""
-        return f"--{self.name.replace('_', '-')} {self.value} {self.problem}; accepted: {self.accepted}."
+        word = lambda v: shown(v) if isinstance(v, int) else str(v)  # noqa: E731  (10**400 by its size)
+        value = " ".join(map(word, self.value)) or "[]" if isinstance(self.value, (list, tuple)) else word(self.value)
+        return f"--{self.name.replace('_', '-')} {value} {self.problem}; accepted: {self.accepted}."
+
+
+def shown(value) -> str:
+    """A value as an error names it: its repr, or for an object with a long repr (a whole
+    TrainingArguments) its type only."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 40:  # 10**400: its size, not its digits
+        return f"{text[:12]}...({len(text.lstrip('-'))} digits)"
+    return text if len(text) <= 120 and "\n" not in text else f"<{type(value).__name__} object>"
 
 
 class OptionTypeError(RangeError, TypeError):
@@ -106,6 +130,36 @@ class OptionTypeError(RangeError, TypeError):
     def __init__(self, name: str, value, accepted: str):
         self.problem = f"has the wrong type ({type(value).__name__})"
         super().__init__(name, value, accepted)
+
+
+class ChoiceError(RangeError):
+    """A value of the right type that is none of the option's choices (dtype="float64")."""
+
+    problem = "is not one of the choices"
+
+
+def _choices(hint) -> tuple:
+    """The values of the Literal(s) in `hint` (through unions)."""
+    union = _union_args(hint)
+    if union is not None:
+        return tuple(c for a in union for c in _choices(a))
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+class EmptyOptionError(RangeError):
+    """An empty list for an option where an empty list means nothing (seeds=[], variants=[], ...)."""
+
+    problem = "is empty"
+
+
+DType = Literal["float32", "bfloat16", "float16"]  # the weights' dtype of a model loaded by name, every door
+
+
+@typing.runtime_checkable
+class ProgressBar(typing.Protocol):
+    """A progress bar an entry updates as it goes: anything with `update(n)` (a tqdm bar)."""
+
+    def update(self, n=1): ...
 
 
 # ----------------------------------------------------------------------------- types
@@ -160,11 +214,11 @@ def _plural(text: str) -> str:
     return text
 
 
-def describe_type(hint, range: Range | None = None) -> str:
+def describe_type(hint, range: Range | None = None, nonempty: bool = False) -> str:
     """What an option of type `hint` (and `range`) accepts, in words: `an integer >= 1, or None`."""
     union = _union_args(hint)
     if union is not None:
-        parts = [describe_type(a, range) for a in union if a is not _NONE]
+        parts = [describe_type(a, range, nonempty) for a in union if a is not _NONE]
         return " or ".join(parts) + (", or None" if _NONE in union else "")
     if hint is _NONE or hint is None:
         return "None"
@@ -178,9 +232,11 @@ def describe_type(hint, range: Range | None = None) -> str:
         return "a string"
     if hint is os.PathLike:
         return "a path"
+    if hint is ProgressBar:
+        return "a progress bar (an object with update(n), like tqdm)"
     item = _sequence_item(hint)
     if item is not None:
-        return "a list of " + _plural(describe_type(item, range))
+        return ("a non-empty list of " if nonempty else "a list of ") + _plural(describe_type(item, range))
     origin = typing.get_origin(hint) or hint
     if origin is dict:
         return "a mapping"
@@ -196,38 +252,78 @@ def numeric(hint) -> bool:
     return numeric(item) if item is not None else hint in (int, float)
 
 
+def listed(hint) -> bool:
+    """Whether an option of type `hint` takes a list (list[X], tuple[X, ...], or such | None)."""
+    union = _union_args(hint)
+    if union is not None:
+        return any(listed(a) for a in union)
+    return _sequence_item(hint) is not None
+
+
+def plain(value, hint):
+    """The value as the function should see it: a numpy / other Integral or Real scalar as int /
+    float (so reports store plain numbers), a path object as its str where a path is meant."""
+    if type(value) in (list, tuple):
+        return type(value)(plain(v, hint) for v in value)
+    if isinstance(value, bool) or type(value) in (int, float, str) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and numeric(hint):
+        return float(value)
+    if isinstance(value, os.PathLike) and matches("path", hint):
+        return os.fspath(value)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One option of a function or dataclass: its type (the annotation) and its range (numbers)."""
+    """One option of a function or dataclass: its type (the annotation), its range (numbers) and,
+    for a list, what an empty one means (`empty`; None: an empty list is refused)."""
 
     name: str
     hint: typing.Any
     range: Range | None = None
+    empty: str | None = "accepted"
+
+    @property
+    def nonempty(self) -> bool:
+        return listed(self.hint) and self.empty is None
 
     @property
     def accepted(self) -> str:
-        return describe_type(self.hint, self.range)
+        return describe_type(self.hint, self.range, self.nonempty)
 
     def check(self, value, check_type: bool = True) -> None:
         if check_type and not matches(value, self.hint):
+            if any(type(choice) is type(value) for choice in _choices(self.hint)):
+                raise ChoiceError(self.name, value, self.accepted)
             raise OptionTypeError(self.name, value, self.accepted)
+        many = isinstance(value, (list, tuple)) and listed(self.hint)
+        if many and not value and self.nonempty:
+            raise EmptyOptionError(self.name, value, self.accepted)
         if self.range is not None and value is not None:
-            for item in value if isinstance(value, (list, tuple)) else [value]:
+            for item in value if many else [value]:
                 if not self.range.accepts(item):
                     raise RangeError(self.name, value, self.accepted)
 
 
 def check_values(ranges: dict[str, Range], **values) -> None:
-    """Every value (every element of a list value) within its range; None means 'not set'."""
+    """Every value of the right type (an int for an integer range, else a number: a list is never
+    one) and within its range; None means 'not set'."""
     for name, value in values.items():
         if value is not None and name in ranges:
-            Option(name, typing.Any, ranges[name]).check(value, check_type=False)
+            Option(name, int if ranges[name].integer else float, ranges[name]).check(value)
 
 
 # ----------------------------------------------------------------------------- functions
-def validated(ranges: dict[str, Range] | None = None):
+def validated(ranges: dict[str, Range] | None = None, *, empty: dict[str, str] | None = None):
     """Decorator of a public function: every argument given is checked against its annotation and
     its range (`OPTIONS`, then `ranges`) before the function runs; a refused value raises RangeError.
+    A list option refuses an empty list unless its default is empty or `empty` says what one means.
+    An options object given (TangentTrainingArguments, HealSettings, ...: a class with RANGES) is
+    checked again, field by field: it may have been changed since it was made.
+    Numpy scalars reach the function as int / float, path objects as str where a path is meant.
     `options_of(function)` lists what is checked."""
 
     def wrap(function):
@@ -236,26 +332,54 @@ def validated(ranges: dict[str, Range] | None = None):
         @functools.wraps(function)
         def run(*args, **kwargs):
             try:
-                given = signature.bind(*args, **kwargs).arguments
+                bound = signature.bind(*args, **kwargs)
             except TypeError as err:
                 raise TypeError(f"{function.__name__}: {err}") from None
             options = options_of(run)
-            for name, value in given.items():
+            for name, value in bound.arguments.items():
                 if name in options:
                     options[name].check(value)
-            return function(*args, **kwargs)
+                    if _has_ranges(value):
+                        check_ranges(value, prefix=f"{name}.")
+                    bound.arguments[name] = plain(value, options[name].hint)
+            return function(*bound.args, **bound.kwargs)
 
         run.__ranges__ = dict(ranges or {})
+        run.__empty__ = dict(empty or {})
         return run
 
     return wrap
 
 
+def _has_ranges(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and isinstance(getattr(value, "RANGES", None), dict)
+
+
 def _hints(owner) -> dict:
     try:
         return typing.get_type_hints(owner)
-    except (NameError, TypeError):  # an annotation that does not resolve: its options are not type-checked
-        return {}
+    except (NameError, TypeError) as err:  # never silently unchecked: an option without a readable type
+        raise TypeError(f"hf_tangent.ranges: the annotations of {getattr(owner, '__qualname__', owner)} do not "
+                        f"resolve ({err}); every option needs a type its checks can read.") from err
+
+
+def unannotated(owner) -> list[str]:
+    """The options of a function or dataclass with no annotation (so no type check): the option walk
+    fails on any."""
+    hints = _hints(owner)
+    if dataclasses.is_dataclass(owner):
+        return [f.name for f in dataclasses.fields(owner) if f.init and f.name not in hints]
+    return [n for n, p in inspect.signature(owner).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n not in hints]
+
+
+def _default(owner, name):
+    if dataclasses.is_dataclass(owner):
+        field = next(f for f in dataclasses.fields(owner) if f.name == name)
+        if field.default is not dataclasses.MISSING:
+            return field.default
+        return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+    return inspect.signature(owner).parameters[name].default
 
 
 @functools.cache
@@ -263,10 +387,10 @@ def options_of(owner) -> dict[str, Option]:
     """The checked options of a `validated` function or an options dataclass, by name."""
     hints = _hints(owner)
     if dataclasses.is_dataclass(owner):
-        ranges = getattr(owner, "RANGES", {})
+        ranges, empty = getattr(owner, "RANGES", {}), getattr(owner, "EMPTY", {})
         names = [f.name for f in dataclasses.fields(owner) if f.init]
     else:
-        ranges = getattr(owner, "__ranges__", {})
+        ranges, empty = getattr(owner, "__ranges__", {}), getattr(owner, "__empty__", {})
         names = [n for n, p in inspect.signature(owner).parameters.items()
                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     out = {}
@@ -274,14 +398,21 @@ def options_of(owner) -> dict[str, Option]:
         hint = hints.get(name, typing.Any)
         limit = ranges.get(name, OPTIONS.get(name) if numeric(hint) or hint is typing.Any else None)
         if hint is not typing.Any or limit is not None:
-            out[name] = Option(name, hint, limit)
+            default = _default(owner, name) if listed(hint) else None
+            means = empty.get(name, "the default" if isinstance(default, (list, tuple)) and not default else None)
+            out[name] = Option(name, hint, limit, means)
     return out
 
 
-def check_ranges(options, *, all_types: bool = True) -> None:
+def check_ranges(options, *, all_types: bool | None = None, prefix: str = "") -> None:
     """Every field of an options dataclass against its type and its range (RANGES, else OPTIONS).
-    `all_types=False`: only the fields that have a range are checked (a class whose other fields
-    another library converts, like transformers' TrainingArguments)."""
+    `all_types=False` (default: the class's RANGES_ALL_TYPES, else True): only the fields that have a
+    range are checked (a class whose other fields another library converts, like transformers'
+    TrainingArguments). `prefix` names the object in errors (`training_args.learning_rate=nan ...`)."""
+    if all_types is None:
+        all_types = getattr(type(options), "RANGES_ALL_TYPES", True)
     for name, option in options_of(type(options)).items():
         if all_types or option.range is not None:
+            if prefix:
+                option = dataclasses.replace(option, name=prefix + name)
             option.check(getattr(options, name))

@@ -27,7 +27,7 @@ from .data import load_documents, pack_windows
 from .diagnostics import diagnose
 from .evaluation import perplexity
 from .patching import patch
-from .ranges import Range, at_least, check_values, validated
+from .ranges import ProgressBar, Range, at_least, check_values, plain, validated
 from .reports import OVERVIEW_HEADER, Report, overview_row, study_markdown, study_plots
 from .training import ObserveCallback, lm_dataset, loss_curve, train, training_arguments
 from .verdicts import summarize, verdict
@@ -188,22 +188,25 @@ def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
             raise ValueError(f"unknown study setting {key!r}; accepted: {', '.join(BUDGET_KEYS)}.")
         if value is None:
             continue
-        check_values(BUDGET_RANGES, **{key: value})
-        scale[key] = value
+        check_values(BUDGET_RANGES, **{key: value})  # a number of the key's type: never a list or a string
+        scale[key] = plain(value, float)
     return scale
 
 
 @validated()
 def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", variants: list[str] | None = None,
-              seeds: list[int] | None = None, branches: list[str] = ("ffn",), output_dir: str = "runs/study",
-              device: str = "cpu", progress=None,
-              overrides: dict | None = None, train_docs=None, val_docs=None, data: str | None = None) -> Report:
+              seeds: list[int] | None = None, branches: list[str] = ("ffn",),
+              output_dir: str | os.PathLike = "runs/study", device: str = "cpu", progress: ProgressBar | None = None,
+              overrides: dict | None = None, train_docs: list[str] | None = None, val_docs: list[str] | None = None,
+              data: str | None = None) -> Report:
     """Train every variant of `study` for every seed and compare them paired by seed (the `study` report).
 
     Args:
         study: tangential, retraction or noise; scale_name: smoke, cpu or paper (model size and budget).
         arch: gpt2 or gpt_neox; variants: a subset (the baseline always runs); seeds: default the scale's.
-        branches: ("ffn",) or ("ffn", "attention"); overrides: budget keys of BUDGET_KEYS.
+        branches: ("ffn",) or ("ffn", "attention"); overrides: budget keys of BUDGET_KEYS (each a number of
+            its key's type and range, None: the scale's value).
+        progress: a progress bar updated once per finished run (tqdm), or None.
         train_docs, val_docs: documents that replace the scale's text (both or neither); data: their name.
     The tokenizer is a byte-level BPE of the scale's vocabulary size trained on the training
     documents only, or GPT-2's where the scale has no vocabulary size (the `paper` scale)."""

@@ -86,7 +86,8 @@ class TangentTrainingArguments(_transformers_training_arguments()):
     lr_scheduler_type: str = dataclasses.field(default="constant", metadata={"help": "Trainer scheduler name."})
     logging_steps: float = dataclasses.field(default=1, metadata={"help": "Log the loss every N steps."})
     save_steps: float = dataclasses.field(default=0, metadata={"help": "Checkpoint every N steps (0: no checkpoints)."})
-    save_total_limit: int | None = dataclasses.field(default=2, metadata={"help": "Checkpoints kept."})
+    save_total_limit: int | None = dataclasses.field(default=2, metadata={
+        "help": "Checkpoints kept, the newest (None: every one; 0 is refused, the Trainer would keep every one)."})
     report_to: str | None = dataclasses.field(default="none", metadata={"help": "Logging backend: none, tensorboard, wandb."})
     dataloader_drop_last: bool = dataclasses.field(default=True, metadata={"help": "Full batches only."})
     remove_unused_columns: bool = dataclasses.field(default=False, metadata={"help": "Keep the packed LM columns."})
@@ -103,11 +104,13 @@ class TangentTrainingArguments(_transformers_training_arguments()):
         "torch_empty_cache_steps": at_least(1), "logging_steps": Range(0, open_low=True),
         "eval_steps": Range(0, open_low=True), "eval_delay": Range(0), "eval_accumulation_steps": at_least(1),
         "save_total_limit": at_least(1), "seed": SEED, "data_seed": SEED, "dataloader_num_workers": at_least(0),
-        "dataloader_prefetch_factor": at_least(1), "ddp_bucket_cap_mb": at_least(1), "ddp_timeout": at_least(1),
+        "dataloader_prefetch_factor": at_least(1), "ddp_bucket_cap_mb": at_least(1),
+        "ddp_timeout": Range(1, 2**31 - 1, integer=True),  # seconds; torch keeps them in a C int
         "local_rank": at_least(-1)}  # -1: not a distributed run
+    RANGES_ALL_TYPES: ClassVar[bool] = False  # ranges.check_ranges (here and in every recipe function): ranged fields
 
     def __post_init__(self):
-        check_ranges(self, all_types=False)  # the numeric fields; the Trainer converts its other fields itself
+        check_ranges(self)  # the numeric fields (RANGES_ALL_TYPES); the Trainer converts its other fields itself
         if self.save_steps and self.save_steps > 0:
             self.save_strategy = "steps"
         else:

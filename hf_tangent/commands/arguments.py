@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
@@ -23,7 +23,7 @@ from .. import data
 from ..data import TextSource
 from ..destinations import DestinationError, claim_run_folder
 from ..models import DEFAULT_MODEL, OFFLINE_MODELS
-from ..ranges import TEXT_RANGES, Range, RangeError, at_least, check_ranges, options_of
+from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
 
 
 class CommandError(ValueError):
@@ -48,7 +48,7 @@ def _default_device() -> str:
 class ModelArguments(Checked):
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": f"hub id, local folder, or an offline name ({', '.join(OFFLINE_MODELS)})"})
-    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={"help": "weights dtype"})
+    dtype: DType = field(default="float32", metadata={"help": "weights dtype"})
 
 
 @dataclass
@@ -161,12 +161,16 @@ def find_recipe(name: str) -> Path:
 
 class _Number:
     """The `type` of a numeric option: int / float, with an error that says what the option accepts
-    (`argument --seq-len: 'x' has the wrong type; accepted: an integer >= 2.`)."""
+    (`argument --seq-len: 'x' has the wrong type; accepted: an integer >= 2.`); `optional`: the word
+    None is None (an option whose accepted values end in ", or None"). A recipe's numeric strings
+    (YAML reads `1e-3` as one) go through the same call."""
 
-    def __init__(self, base, accepted: str):
-        self.base, self.accepted, self.__name__ = base, accepted, base.__name__
+    def __init__(self, base, accepted: str, optional: bool = False):
+        self.base, self.accepted, self.optional, self.__name__ = base, accepted, optional, base.__name__
 
     def __call__(self, text):
+        if self.optional and text == "None":
+            return None
         try:
             return self.base(text)
         except (TypeError, ValueError):
@@ -175,8 +179,11 @@ class _Number:
 
 def _accepted(dataclass_types) -> dict[str, str]:
     """What each numeric option of these dataclasses accepts, in the words of ranges.Option."""
-    return {name: option.accepted for kind in dataclass_types for name, option in options_of(kind).items()
-            if option.range is not None}
+    return {name: option.accepted for name, option in _options(dataclass_types).items() if option.range is not None}
+
+
+def _options(dataclass_types) -> dict[str, Option]:
+    return {name: option for kind in dataclass_types for name, option in options_of(kind).items()}
 
 
 def _kind(action: argparse.Action) -> str:
@@ -188,19 +195,29 @@ def _kind(action: argparse.Action) -> str:
     return "other"
 
 
-def _check_value(action: argparse.Action, key: str, value, where: str, accepted: str | None = None):
-    """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool.
+def _check_value(action: argparse.Action, key: str, value, where: str, accepted: str | None = None,
+                 optional: bool = False):
+    """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool;
+    `null` is None where the option takes None (`optional`); a string for a number goes through the
+    command line's own conversion (YAML reads `1e-3` as a string, the command line as a number).
     The ranges are checked when the command's dataclasses are made, as for the command line."""
     def fail(expected):
         also = f"; accepted: {accepted}" if accepted else ""
         raise CommandError(f"recipe {where}: key {key!r} must be {expected}, got {value!r} ({type(value).__name__}){also}.")
 
     kind = _kind(action)
+    if value is None and optional:
+        return None
     if action.nargs in ("+", "*"):
         if not isinstance(value, list):
             fail("a list")
         return [_check_value(argparse.Action([], action.dest, type=action.type, choices=action.choices), key, v, where,
                              accepted) for v in value]
+    if kind in ("int", "float") and isinstance(value, str) and action.type is not None:
+        try:
+            return action.type(value)  # exactly what the command line does with the same text
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            fail("an integer" if kind == "int" else "a number")
     if kind == "bool":
         if not isinstance(value, bool):
             fail("true or false (unquoted)")
@@ -238,13 +255,15 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: str, command: str) -> 
         raise CommandError(f"recipe {path} is for `{wanted}`, not `{command}`.")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "recipe", "func")}
     accepted = _accepted(getattr(parser, "dataclass_types", ()))
+    options = _options(getattr(parser, "dataclass_types", ()))
     defaults = {}
     for key, value in values.items():
         dest = str(key).replace("-", "_")
         if dest not in actions:
             raise CommandError(f"recipe {path}: key {key!r} is not an option of `{command}`; accepted: "
                                f"{', '.join(sorted(actions))}.")
-        defaults[dest] = _check_value(actions[dest], str(key), value, str(path), accepted.get(dest))
+        optional = dest in options and matches(None, options[dest].hint)
+        defaults[dest] = _check_value(actions[dest], str(key), value, str(path), accepted.get(dest), optional)
     parser.set_defaults(**defaults)
 
 
@@ -284,10 +303,11 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
     for action in sub._actions:  # argparse reads help as a %-format: ours is plain text ("95%"), the
         if action.help and action.help is not argparse.SUPPRESS:  # Trainer's is escaped already ("20%%")
             action.help = action.help.replace("%%", "%").replace("%", "%%")
-    accepted = _accepted(dataclass_types)
+    options = _options(dataclass_types)
     for action in sub._actions:  # a value that is not a number says what the option accepts
-        if action.dest in accepted and action.type in (int, float):
-            action.type = _Number(action.type, accepted[action.dest])
+        option = options.get(action.dest)
+        if option is not None and option.range is not None and action.type in (int, float):
+            action.type = _Number(action.type, option.accepted, optional=matches(None, option.hint))
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=func, parser=sub)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..evaluation import update_variants
 from .arguments import (
@@ -19,6 +20,8 @@ from .arguments import (
 
 @dataclass
 class EvalArguments(Checked):
+    EMPTY: ClassVar[dict[str, str]] = {"updates": "only the unpatched model (and a loaded patch, as it is)"}
+
     updates: list[str] | None = field(default=None, metadata={
         "help": "update variants to evaluate (default all): " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})

@@ -5,10 +5,10 @@ from .analysis import ablate, diagnose_layers, layer_sensitivity, parallel_sweep
 from .calibrate import calibrate_gates
 from .downstream import lm_eval
 from .evaluate import evaluate_rules
-from .finetune import finetune
+from .finetune import LoraSettings, finetune
 from .geometry import critical, ffn_jacobian, pressure
 from .heal import HealSettings, HealTrainingArguments, heal
 
-__all__ = ["HealSettings", "HealTrainingArguments", "ablate", "calibrate_gates", "critical", "diagnose_layers",
+__all__ = ["HealSettings", "HealTrainingArguments", "LoraSettings", "ablate", "calibrate_gates", "critical", "diagnose_layers",
            "evaluate_rules", "ffn_jacobian", "finetune", "heal", "layer_sensitivity", "lm_eval", "parallel_sweep",
            "pressure"]

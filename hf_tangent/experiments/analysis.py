@@ -15,10 +15,21 @@ from ..discovery import architecture, decoder_layers
 from ..evaluation import update_variants
 from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
 from ..patching import patch
-from ..ranges import LAYER_INDICES, Range, at_least, validated
+from ..ranges import LAYER_INDICES, DType, Range, at_least, validated
 from ..reports import Report
 from ..timing import interleaved_ratio
-from .common import Clock, entry_point, environment, progress_bar, refuse_patched, resolve_model, windows
+from .common import (
+    Clock,
+    Model,
+    Text,
+    Tokenizer,
+    entry_point,
+    environment,
+    progress_bar,
+    refuse_patched,
+    resolve_model,
+    windows,
+)
 
 ABLATE_RANGES = {"bootstrap": at_least(1)}
 PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1),
@@ -35,9 +46,9 @@ def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *,
 
 @validated(ABLATE_RANGES)
 @entry_point(patched_model="refused")
-def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS, layerwise: bool = False,
+def ablate(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, variants: list[str] = ABLATIONS, layerwise: bool = False,
            bootstrap: int = 2000, seq_len: int = 512, max_windows: int = 8, batch_size: int = 1,
-           dtype: str = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
+           dtype: DType = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
     """Loss increase of zero-FFN, radial-only, tangential-only and attention-zero over the full model,
     in all layers (and one layer at a time with `layerwise`), with paired bootstrap intervals over
     windows (`bootstrap` resamples, >= 1). The `ablate` report.
@@ -61,8 +72,8 @@ def ablate(model, tokenizer=None, *, text=None, variants: list[str] = ABLATIONS,
 
 @validated({"layers": LAYER_INDICES})
 @entry_point(patched_model="as is")
-def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = None, layers: list[int] | None = None,
-                    seq_len: int = 512, max_windows: int = 8, batch_size: int = 1, dtype: str = "float32",
+def diagnose_layers(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, update: str | None = None, layers: list[int] | None = None,
+                    seq_len: int = 512, max_windows: int = 8, batch_size: int = 1, dtype: DType = "float32",
                     device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
     """Per-layer radial fraction, norms, angles, diversity and deficit (math.md section 4) of the model,
     or of the model patched with the update variant `update`. The `diagnose` report.
@@ -91,8 +102,8 @@ def diagnose_layers(model, tokenizer=None, *, text=None, update: str | None = No
 
 @validated()
 @entry_point(patched_model="refused")
-def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, max_windows: int = 8,
-                      batch_size: int = 1, dtype: str = "float32", device: str | None = None, seed: int = 0,
+def layer_sensitivity(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, seq_len: int = 512, max_windows: int = 8,
+                      batch_size: int = 1, dtype: DType = "float32", device: str | None = None, seed: int = 0,
                       progress: bool = True) -> Report:
     """C_l, the FFN input-sensitivity of every layer, on calibration text (`text.calibration_files`,
     default: the Austen calibration novels). The `sensitivity` report.
@@ -114,10 +125,10 @@ def layer_sensitivity(model, tokenizer=None, *, text=None, seq_len: int = 512, m
 
 @validated(PARALLEL_SWEEP_RANGES)
 @entry_point(patched_model="refused")
-def parallel_sweep(model, tokenizer=None, *, text=None, calibration_windows: int = 4, ks: list[int] | None = None,
+def parallel_sweep(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, calibration_windows: int = 4, ks: list[int] | None = None,
                    random_seeds: list[int] = (0, 1, 2), greedy: bool = True, greedy_max_k: int | None = None,
                    budget: float = 0.02, speed: bool = True, seq_len: int = 512, max_windows: int = 8,
-                   batch_size: int = 1, dtype: str = "float32", device: str | None = None, seed: int = 0,
+                   batch_size: int = 1, dtype: DType = "float32", device: str | None = None, seed: int = 0,
                    progress: bool = True) -> Report:
     """Held-out loss against the number of parallel-converted layers under the low-C_l, high-C_l,
     random and greedy orders; the largest set within `budget` nats; its estimated and measured

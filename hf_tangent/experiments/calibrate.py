@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 from ..adapters.repo import patch_record, push_patch, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
+from ..destinations import check_destination
 from ..discovery import decoder_layers
 from ..evaluation import evaluate_variants, perplexity
 from ..hub import save_hub_folder
 from ..patching import patch
-from ..ranges import validated
+from ..ranges import DType, validated
 from ..reports import Report, calibrate_results_markdown, training_card
 from ..training import (
     TangentTrainingArguments,
@@ -23,14 +26,36 @@ from ..training import (
     train,
     training_summary,
 )
-from .common import Clock, environment, progress_bar, refuse_patched, resolve_model, windows
+from .common import Clock, Model, Text, Tokenizer, environment, progress_bar, refuse_patched, resolve_model, windows
+
+
+def _check_destinations(model, named, args, save_patch, save_model, push_to_hub) -> None:
+    """Everything calibrate_gates writes, checked before it loads, patches or trains anything: the
+    patch repo's base name, the repo id, and each folder (destinations.check_destination, with the
+    base's own folder protected)."""
+    base = named or str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    if (save_patch or push_to_hub) and not base:
+        raise ValueError("hf_tangent.calibrate_gates: save_patch= / push_to_hub= write a patch repo, which records its "
+                         "base model by name, and this model does not say which checkpoint it was loaded from "
+                         "(config._name_or_path is empty); pass the model by name, set model.config._name_or_path to "
+                         "its hub id or folder, or leave save_patch and push_to_hub unset.")
+    if push_to_hub:
+        try:
+            validate_repo_id(push_to_hub)
+        except HFValidationError as err:
+            raise ValueError(f"hf_tangent.calibrate_gates: push_to_hub={push_to_hub!r} is not a hub repo id ({err}); "
+                             "accepted: 'name' or 'namespace/name' (letters, digits, '-', '_', '.').") from None
+    patch_folder = save_patch or (os.path.join(args.output_dir, "patch") if push_to_hub else None)
+    for option, folder in (("save_patch", patch_folder), ("save_model", save_model)):
+        if folder:
+            check_destination(folder, protected=[base], writer=f"hf_tangent.calibrate_gates({option}=)")
 
 
 @validated()
-def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", layers: list[int] | None = None,
+def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, update: str = "add", layers: list[int] | None = None,
                     compare_rules: list[str] = (), seq_len: int = 512, max_windows: int = 8, train_windows: int = 64,
                     training_args: TangentTrainingArguments | None = None, eval_batch_size: int | None = None,
-                    dtype: str = "float32", save_patch: str | os.PathLike | None = None,
+                    dtype: DType = "float32", save_patch: str | os.PathLike | None = None,
                     save_model: str | os.PathLike | None = None, push_to_hub: str | None = None,
                     hub_private: bool = False, progress: bool = True) -> Report:
     """Train one FFN gate per layer on calibration text, all model weights frozen, and report the
@@ -46,20 +71,21 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         training_args: Trainer settings (default `TangentTrainingArguments()`: 50 steps at lr 1e-2).
         save_patch: a folder for the calibrated gates as a patch repo (kilobytes; hf_tangent.save_patch);
         save_model: a folder for the complete model (weights, gates, remote code; hf_tangent.save_hub_folder);
-        push_to_hub: a repo id to push the patch repo to.
-    A model object is calibrated in place: patched with the gates, which are trained.
+        push_to_hub: a repo id to push the patch repo to (the patch repo written to save_patch, else to
+            output_dir/patch).
+    The destinations (and the repo id) are checked before any work. A model object with no
+    config._name_or_path can be calibrated; only a patch repo (save_patch / push_to_hub), which
+    records its base by name, needs one. A model object is calibrated in place: patched with the
+    gates, which are trained.
     """
     tangent = TangentConfig(update=update, layers=layers, gates=True)  # validated before any work
     named = model if isinstance(model, str) else None  # the base a patch repo records (else the model's own path)
     args = training_args or TangentTrainingArguments()
     text = TextSource.of(text)
+    writes_patch = bool(save_patch or push_to_hub)  # a patch repo, which records its base by name
+    _check_destinations(model, named, args, save_patch, save_model, push_to_hub)  # before any work
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
-    if (save_patch or push_to_hub) and not (named or getattr(model.config, "_name_or_path", "")):
-        raise ValueError("hf_tangent.calibrate_gates: save_patch= / push_to_hub= write a patch repo, which records its "
-                         "base model by name, and this model does not say which checkpoint it was loaded from "
-                         "(config._name_or_path is empty); pass the model by name, set model.config._name_or_path to "
-                         "its hub id or folder, or leave save_patch and push_to_hub unset.")
     tangent.resolve_layers(len(decoder_layers(model)))
     held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     train_set = windows(model, tokenizer, text.training_documents(), seq_len, train_windows)
@@ -71,7 +97,7 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         table = evaluate_variants(model, held_out, list(compare_rules), batch_size=batch, progress=bar)
         before = perplexity(model, probe, batch_size=batch, progress=bar)
     patch(model, tangent)
-    record = patch_record(model, base_model=named)  # before any wrapping: the base's fingerprint, unsharded
+    record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded
     freeze_all_but_gates(model)
     trainer = train(model, lm_dataset(train_set), args)
     model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
@@ -96,7 +122,7 @@ def calibrate_gates(model, tokenizer=None, *, text=None, update: str = "add", la
         folder = save_hub_folder(trainer.model_wrapped, save_model, tokenizer=tokenizer, card=card)
         if folder is not None:
             report.data["model_folder"] = str(folder)
-    if (save_patch or push_to_hub) and args.process_index == 0:
+    if writes_patch and args.process_index == 0:
         folder = write_patch_repo(save_patch or os.path.join(args.output_dir, "patch"), record, gates, card=card)
         report.data["patch_folder"] = str(folder)
         if push_to_hub:

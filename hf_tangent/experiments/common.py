@@ -8,12 +8,18 @@ import time
 from contextlib import contextmanager
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .._version import __version__
-from ..data import pack_windows
+from ..data import TextSource, pack_windows
 from ..models import load_model
 from ..patching import get_config, preserved, require_model
 from ..ranges import TEXT_RANGES, check_values
+
+# The types of the options every recipe function shares (ranges.py checks them before any work).
+Model = str | torch.nn.Module  # a model name (offline name, folder, hub id) or a loaded model
+Tokenizer = PreTrainedTokenizerBase | None  # with a loaded model: its tokenizer
+Text = TextSource | list[str] | None  # a TextSource, a list of documents, or None (the defaults)
 
 
 def resolve_model(model, tokenizer=None, *, dtype: str | torch.dtype | None = "float32", device: str | None = None,

@@ -5,15 +5,15 @@ from __future__ import annotations
 from ..data import TextSource
 from ..evaluation import evaluate_variants, perplexity, update_variants
 from ..patching import get_config, without_patch
-from ..ranges import validated
+from ..ranges import DType, validated
 from ..reports import Report
-from .common import Clock, entry_point, environment, progress_bar, resolve_model, windows
+from .common import Clock, Model, Text, Tokenizer, entry_point, environment, progress_bar, resolve_model, windows
 
 
-@validated()
+@validated(empty={"rules": "only the unpatched model (and a loaded patch, as it is)"})
 @entry_point(patched_model="as is")
-def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None = None, seq_len: int = 512,
-                   max_windows: int = 8, batch_size: int = 1, dtype: str = "float32", device: str | None = None,
+def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, rules: list[str] | None = None, seq_len: int = 512,
+                   max_windows: int = 8, batch_size: int = 1, dtype: DType = "float32", device: str | None = None,
                    seed: int = 0, progress: bool = True) -> Report:
     """Held-out NLL and perplexity of the unpatched model and of every named update rule, each
     applied to every layer, untrained (the `eval` report).
@@ -22,7 +22,8 @@ def evaluate_rules(model, tokenizer=None, *, text=None, rules: list[str] | None 
         model: a model name (offline name, folder, hub id) or a loaded model (then pass `tokenizer`).
             A patched model (or a saved patched folder) is also evaluated as it is, first.
         text: a `TextSource`, a list of documents, or None (the held-out Austen novels).
-        rules: names from `evaluation.update_variants()` (default: all).
+        rules: names from `evaluation.update_variants()` (default: all; []: only the unpatched model, and a
+            loaded patch as it is).
         seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
         dtype, device, seed: for a model loaded by name.
     """

@@ -12,15 +12,16 @@ from typing import ClassVar
 
 from ..adapters.repo import patch_record, write_patch_repo
 from ..data import TextSource
+from ..destinations import check_destination
 from ..evaluation import perplexity, update_variants
 from ..hub import save_hub_folder
 from ..patching import patch
-from ..ranges import Range, at_least, check_ranges, validated
+from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..reports import Report
 from ..stats import paired_summary
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from ..wrappers import peft_model_of
-from .common import Clock, entry_point, environment, resolve_model, windows
+from .common import Clock, Model, Text, Tokenizer, entry_point, environment, resolve_model, windows
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
 
@@ -61,6 +62,10 @@ def finetune_summary(runs: list[dict], baseline: str = "unpatched") -> list[dict
     return rows
 
 
+def _run_dir(args, rule: str, seed: int) -> str:
+    return os.path.join(args.output_dir, "runs", f"{rule.split(' (')[0].replace(' ', '_')}-seed{seed}")
+
+
 def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, held_out, args, eval_batch_size, dtype,
          save_models) -> dict:
     """One (rule, seed) run: a fresh copy of the model, patched, (LoRA,) trained, evaluated."""
@@ -75,7 +80,7 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
 
         run_model = get_peft_model(run_model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
                                                          target_modules=list(lora.targets), lora_dropout=0.0))
-    run_dir = os.path.join(args.output_dir, "runs", f"{rule.split(' (')[0].replace(' ', '_')}-seed{seed}")
+    run_dir = _run_dir(args, rule, seed)
     trainer = train(run_model, dataset, dataclasses.replace(args, output_dir=run_dir, seed=seed, data_seed=seed))
     run_model.eval()
     batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
@@ -93,10 +98,10 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
 
 @validated()
 @entry_point(patched_model="refused")
-def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
+def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
              method: str = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,
              train_windows: int = 64, training_args: TangentTrainingArguments | None = None,
-             eval_batch_size: int | None = None, dtype: str = "float32", save_models: bool = False) -> Report:
+             eval_batch_size: int | None = None, dtype: DType = "float32", save_models: bool = False) -> Report:
     """Fine-tune the unpatched model and every rule's patched model with the same data order, steps
     and optimizer, for every seed; held-out perplexity with paired statistics (the `finetune` report).
 
@@ -117,10 +122,16 @@ def finetune(model, tokenizer=None, *, text=None, rules: list[str] = DEFAULT_RUL
     args = training_args or FinetuneTrainingArguments()
     lora = lora or LoraSettings()
     text = TextSource.of(text)
+    names = ["unpatched", *[r for r in rules if r != "unpatched"]]
+    if save_models:  # every folder a run will write, checked before any work
+        base = model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        for seed in seeds:
+            for rule in names[1:]:
+                folder = os.path.join(_run_dir(args, rule, seed), "patch" if method == "lora" else "model")
+                check_destination(folder, protected=[base], writer="hf_tangent.finetune")
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
     dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
-    names = ["unpatched", *[r for r in rules if r != "unpatched"]]
     clock = Clock()
     runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
                  eval_batch_size, dtype, save_models) for seed in seeds for rule in names]

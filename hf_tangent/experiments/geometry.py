@@ -6,6 +6,7 @@ keys/values view, next to C_l and the ablation costs)."""
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import torch
@@ -25,11 +26,11 @@ from ..geometry import (
     pressure_diversity,
 )
 from ..parallel import sensitivity
-from ..ranges import LAYER_INDICES, Range, at_least, validated
+from ..ranges import LAYER_INDICES, DType, Range, at_least, validated
 from ..reports import Report
 from ..stats import spearman
 from .analysis import _setup
-from .common import Clock, entry_point, progress_bar
+from .common import Clock, Model, Text, Tokenizer, entry_point, progress_bar
 
 PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 CRITICAL_RANGES = {"random_starts": at_least(0), "token_starts": at_least(0), "steps": at_least(1),
@@ -51,10 +52,10 @@ def _layers(model, layers):
 
 @validated(CRITICAL_RANGES)
 @entry_point(patched_model="refused")
-def critical(model, tokenizer=None, *, text=None, layers: list[int] | None = None, fields: list[str] = FIELDS,
+def critical(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, layers: list[int] | None = None, fields: list[str] = FIELDS,
              protocol: str = "refined", random_starts: int = 32, token_starts: int = 32, steps: int = 300,
              threshold: float = 0.05, tol: float = 1e-8, max_iter: int = 20, rel_tol: float = 1e-2, seq_len: int = 256,
-             max_windows: int = 2, dtype: str = "float32", device: str | None = None, seed: int = 0,
+             max_windows: int = 2, dtype: DType = "float32", device: str | None = None, seed: int = 0,
              progress: bool = True) -> Report:
     """Critical directions of the OV-only, FFN-only and full reduced fields of every layer
     (docs/geometry.md), from `random_starts` Gaussian and `token_starts` real token directions (block
@@ -145,9 +146,9 @@ def _critical_totals(rows: list[dict], fields) -> dict:
 
 @validated(PRESSURE_RANGES)
 @entry_point(patched_model="refused")
-def pressure(model, tokenizer=None, *, text=None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
+def pressure(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
              variants: list[str] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
-             max_windows: int = 4, dtype: str = "float32", device: str | None = None, seed: int = 0,
+             max_windows: int = 4, dtype: DType = "float32", device: str | None = None, seed: int = 0,
              progress: bool = True) -> Report:
     """Spherical diversity D before attention, after attention and after the FFN, per layer, as the
     attention logit scale is multiplied by each `factor` (1: the model; 0: uniform averaging, the
@@ -191,9 +192,9 @@ def pressure_summary(rows: list[dict]) -> list[dict]:
 
 @validated(FFN_JACOBIAN_RANGES)
 @entry_point(patched_model="refused")
-def ffn_jacobian(model, tokenizer=None, *, text=None, layers: list[int] | None = None, tokens: int = 16,
-                 top_k: int = 8, ablation_report: str | None = None, seq_len: int = 256, max_windows: int = 2,
-                 dtype: str = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
+def ffn_jacobian(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, layers: list[int] | None = None, tokens: int = 16,
+                 top_k: int = 8, ablation_report: str | os.PathLike | None = None, seq_len: int = 256, max_windows: int = 2,
+                 dtype: DType = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
     """Per layer, over a seeded sample of `tokens` real FFN inputs: the spectral norm and effective rank
     of the FFN's Jacobian on the tangent space (per radian of rotation), its radial fraction, the
     activation's derivative at the pre-activations (off / linear / transition), the top-k hidden

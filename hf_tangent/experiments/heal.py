@@ -7,24 +7,25 @@ import copy
 import dataclasses
 import gc
 import os
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from ..adapters.repo import patch_record, write_patch_repo
 from ..config import TangentConfig
 from ..data import TextSource
+from ..destinations import check_destination
 from ..discovery import decoder_layers
 from ..evaluation import perplexity
 from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..hub import save_hub_folder
 from ..patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
-from ..ranges import Range, at_least, check_ranges, validated
+from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..reports import Report
 from ..stats import paired_permutation_test
 from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from ..wrappers import peft_model_of, unwrap
-from .common import Clock, entry_point, environment, refuse_patched, resolve_model, windows
+from .common import Clock, Model, Text, Tokenizer, entry_point, environment, refuse_patched, resolve_model, windows
 from .finetune import LoraSettings
 
 SAMPLE_PROMPT = "It is a truth universally acknowledged, that"
@@ -48,7 +49,7 @@ class HealSettings:
     RANGES: ClassVar[dict[str, Range]] = {"temperature": Range(0, open_low=True), "lm_weight": Range(0, 1),
                                           "homotopy_fraction": Range(0, 1), "stages": at_least(1)}
 
-    method: str = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full" (a frozen copy)
+    method: Literal["lora", "full"] = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full"
     temperature: float = 1.0
     lm_weight: float = 0.0
     homotopy_fraction: float = 0.5
@@ -79,6 +80,11 @@ def _check_schedule(settings: HealSettings, tangent: TangentConfig, args, num_la
         raise ValueError(f"stages={settings.stages} needs at least {settings.stages} homotopy steps, and "
                          f"homotopy_fraction {settings.homotopy_fraction} of max_steps {args.max_steps} gives {steps}; "
                          "accepted: more steps, a larger homotopy_fraction or fewer stages.")
+
+
+def _base_of(model) -> str:
+    """The base's name or folder (protected from being written over)."""
+    return model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
 
 
 def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -143,9 +149,9 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
 
 @validated({"max_new_tokens": at_least(1)})
 @entry_point(patched_model="refused")
-def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: HealSettings | None = None,
+def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, text: Text = None, settings: HealSettings | None = None,
          lora: LoraSettings | None = None, seeds: list[int] = (0,), seq_len: int = 256, max_windows: int = 8,
-         train_windows: int = 64, training_args: TangentTrainingArguments | None = None, dtype: str = "float32",
+         train_windows: int = 64, training_args: TangentTrainingArguments | None = None, dtype: DType = "float32",
          save_models: bool = False, save_full_models: bool = False, prompt: str = SAMPLE_PROMPT,
          max_new_tokens: int = 20) -> Report:
     """Patch `model` with `tangent` and heal it by distillation from its unpatched self, once per
@@ -167,6 +173,13 @@ def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: 
     lora = lora or LoraSettings()
     args = training_args or HealTrainingArguments()
     text = TextSource.of(text)
+    base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
+    for seed in seeds:  # every folder a run will write, checked before any work
+        run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
+        if save_models and settings.method == "lora":
+            check_destination(os.path.join(run_dir, "patch"), protected=[_base_of(model)], writer="hf_tangent.heal")
+        if save_full_models or (save_models and settings.method == "full"):
+            check_destination(os.path.join(run_dir, "model"), protected=[_base_of(model)], writer="hf_tangent.heal")
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
@@ -174,7 +187,6 @@ def heal(model, tangent: TangentConfig, tokenizer=None, *, text=None, settings: 
     dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
     clock = Clock()
     unpatched = perplexity(first, held_out)["nll"]
-    base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
     runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, save_full_models,
                  base_name, prompt, max_new_tokens, unpatched) for seed in seeds]
     gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]

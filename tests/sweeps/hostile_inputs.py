@@ -571,7 +571,7 @@ def heal_cases(tmp: Path, folder: Path):
 
     for fields, message in [(dict(stages=2, homotopy_fraction=0.0), "stages=2 with homotopy_fraction=0"),
                             (dict(stages=0), "stages=0 is out of range"), (dict(temperature=0.0), "temperature=0.0 is out"),
-                            (dict(lm_weight=1.5), "lm_weight=1.5 is out of range"), (dict(method="qlora"), "accepted: 'lora', 'full'"),
+                            (dict(lm_weight=1.5), "lm_weight=1.5 is out of range"), (dict(method="qlora"), "accepted: one of 'lora', 'full'"),
                             (dict(homotopy_fraction=-0.5), "homotopy_fraction=-0.5 is out of range"),
                             (dict(schedule="cubic"), "accepted: linear, cosine")]:
         expect_error("heal", f"HealSettings({fields})", lambda f=fields: HealSettings(**f), message)

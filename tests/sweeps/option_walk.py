@@ -2,8 +2,12 @@
 Report) and each options dataclass (the public ones, every command's, and every dataclass a recipe
 function takes), found by introspection, so that a new option is walked without editing this file.
 
-Every numeric option (int, float, a list of them) is probed with 0, -1, NaN, +inf, -inf and a string;
-every other typed option with a value of another type. A probe is
+Every numeric option (int, float, a list of them) is probed with 0, -1, NaN, +inf, -inf, 10**400
+(beyond float range) and a string; every other typed option with a value of another type; every list
+option with [] (refused unless its default is empty or the owner's `empty` / `EMPTY` says what it
+means). An options object a recipe function takes (TangentTrainingArguments, HealSettings, ...) is
+also made valid, then changed field by field to NaN / a wrong type, and passed: the function checks
+it again. run_study(overrides=) is probed key by key like an option of the key's type. A probe is
   ok     accepted, and documented: its Range accepts it (the Range's words are what the error of a
          refused value says), or MEANINGFUL names it (options validated by their own code);
   clear  refused with one RangeError (OptionTypeError for a type) naming the option, the value and
@@ -28,11 +32,11 @@ from pathlib import Path
 
 import hf_tangent as ht
 from hf_tangent import cli
-from hf_tangent.ranges import RangeError, matches, numeric, options_of
+from hf_tangent.ranges import Option, RangeError, listed, matches, numeric, options_of, shown, unannotated
 from hf_tangent.reports import Report
 
 MISSING_MODEL = "/nonexistent/hf_tangent_option_walk_model"
-NUMBER_PROBES = (0, -1, math.nan, math.inf, -math.inf, "1")
+NUMBER_PROBES = (0, -1, math.nan, math.inf, -math.inf, 10**400, "1")
 WRONG_TYPES = ("fast", 3, [1], {"x": 1}, 2.5)  # the first one the option's type refuses is its wrong-type probe
 # Required parameters of the recipe functions, filled with a valid value.
 REQUIRED = {"model": MISSING_MODEL, "tangent": ht.TangentConfig(update="projected"), "study": "noise"}
@@ -49,7 +53,16 @@ MEANINGFUL = {
     ("TangentConfig", "layers", (-1,)): "the last layer (negative counts from the end)",
     ("TangentConfig", "parallel_layers", (0,)): "layer 0",
     ("TangentConfig", "parallel_layers", (-1,)): "the last layer (negative counts from the end)",
+    ("TangentConfig", "parallel_layers", ()): "the default: no layer converted to a parallel block",
+    ("TangentConfig", "layers", ()): "no layer's update rule changed (a config of parallel_layers only)",
+    ("TangentConfig", "noise_rank", 10**400): "an integer >= 1 (the rank the drift field is built with)",
+    ("TangentConfig", "layers", (10**400,)): "a layer index: checked against the model when the patch is applied",
+    ("TangentConfig", "parallel_layers", (10**400,)): "a layer index: checked against the model when the patch is applied",
 }
+# Options with no annotation (so no type check) fail the walk; these wait for their owner's file:
+# lm_eval lives in hf_tangent/experiments/downstream.py (the lm-eval work), as does its `dtype: str`.
+UNANNOTATED_PENDING = {"lm_eval.model", "lm_eval.tokenizer"}
+DTYPE_PENDING = {"lm_eval"}
 SELF_CHECKED = (ht.TangentConfig,)  # dataclasses with their own validation (config.py) instead of ranges.py
 # the recipe function each command calls (a CLI option with the same name must say what the API says)
 COMMAND_FUNCTIONS = {"eval": "evaluate_rules", "calibrate": "calibrate_gates", "finetune": "finetune",
@@ -72,7 +85,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.door} {self.owner}({self.option}={self.value!r})"
+        return f"{self.door} {self.owner}({self.option}={shown(self.value)})"
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -120,17 +133,20 @@ def _fields(cls) -> dict:
 def probes(option) -> list:
     """0, -1, NaN, +-inf and a string for a numeric option (in a list for a list option); a value of
     another type for any other typed option."""
+    empty = [[]] if listed(option.hint) else []
     if numeric(option.hint):
-        listed = not matches(0, option.hint) and matches([0], option.hint)
-        return [[v] if listed and not isinstance(v, str) else v for v in NUMBER_PROBES]
+        as_list = not matches(0, option.hint) and matches([0], option.hint)
+        return [[v] if as_list and not isinstance(v, str) else v for v in NUMBER_PROBES] + empty
     if option.hint is typing.Any:
         return []
-    return [next(v for v in WRONG_TYPES if not matches(v, option.hint))]
+    return [next(v for v in WRONG_TYPES if not matches(v, option.hint))] + empty
 
 
 def _refused(option, value) -> bool:
     if not matches(value, option.hint):
         return True
+    if isinstance(value, (list, tuple)) and not value and listed(option.hint):
+        return option.nonempty
     if option.range is None or value is None:
         return False
     return any(not option.range.accepts(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
@@ -138,9 +154,7 @@ def _refused(option, value) -> bool:
 
 def _type_checks_all(cls) -> bool:
     """Whether a dataclass checks the type of every field (TrainingArguments: only the numeric ones)."""
-    from transformers import TrainingArguments
-
-    return not issubclass(cls, TrainingArguments) and cls not in SELF_CHECKED
+    return getattr(cls, "RANGES_ALL_TYPES", True) and cls not in SELF_CHECKED
 
 
 # ----------------------------------------------------------------------------- one probe
@@ -150,7 +164,7 @@ def _clear(err: Exception, option: str, value, accepted: str | None) -> tuple[st
         good = f"{option}={value!r}" in text and "accepted:" in text
     else:
         good = isinstance(err, RangeError) and err.name == option and err.accepted == accepted and \
-            f"{option}={value!r}" in text
+            f"{option}={shown(value)}" in text
     return ("clear" if good else "unclear"), f"{type(err).__name__}: {text}"
 
 
@@ -190,6 +204,8 @@ def _dataclass_case(cls, option, value, scratch: Path) -> Case:
         except (ValueError, TypeError) as err:
             if refused:
                 return _clear(err, option.name, value, None if own else option.accepted)
+            if not isinstance(err, RangeError) and option.name in str(err):  # the class's own cross-field check
+                return "ok", f"accepted by its range; then {type(err).__name__}: {err}"
             return "silent wrong", f"an accepted value refused: {type(err).__name__}: {err}"
         except Exception as err:  # noqa: BLE001
             return "crash", f"{type(err).__name__}: {err}"
@@ -204,6 +220,8 @@ def _cli_case(command, option, value, scratch: Path, recipe: bool, dests) -> Cas
     accepted ends at once instead of running the command."""
     if isinstance(value, str):
         value = "abc"  # "1" is a valid number on the command line: a word is the wrong type there
+    if value == [] and not recipe:
+        raise ValueError("an empty list is no command-line probe")
     words = [str(v) for v in value] if isinstance(value, list) else [str(value)]
     argv = [command, *COMMAND_POSITIONALS.get(command, [])]
     argv += [f"--{dest}={safe}" for dest, safe in (("model", MISSING_MODEL), ("output_dir", str(scratch / "out")),
@@ -270,6 +288,80 @@ def _yaml(value) -> str:
     return str(value)
 
 
+def _ranged_classes(hint) -> list[type]:
+    """The options classes (a RANGES table) an option of type `hint` takes."""
+    return [d for d in _dataclasses_in(hint) if isinstance(getattr(d, "RANGES", None), dict)]
+
+
+def _changed_object_cases() -> list[Case]:
+    """An options object made valid, then one field changed (NaN for a number, a wrong type for
+    another), passed to every recipe function that takes it: refused as `<option>.<field>=...`."""
+    out = []
+    for fname, function in api_functions().items():
+        for option in options_of(function).values():
+            for cls in _ranged_classes(option.hint):
+                for field in options_of(cls).values():
+                    if not (numeric(field.hint) or _type_checks_all(cls)) or listed(field.hint):
+                        continue
+                    value = math.nan if numeric(field.hint) else next(v for v in WRONG_TYPES if not matches(v, field.hint))
+                    out.append(_changed_case(fname, function, option.name, cls, field, value))
+    return out
+
+
+def _changed_case(fname, function, name, cls, field, value) -> Case:
+    required = {p.name: REQUIRED[p.name] for p in inspect.signature(function).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
+    qualified = f"{name}.{field.name}"
+
+    def run():
+        with tempfile.TemporaryDirectory() as tmp:
+            obj = cls(output_dir=str(Path(tmp) / "out")) if "output_dir" in {f.name for f in dataclasses.fields(cls)} \
+                else cls()
+            object.__setattr__(obj, field.name, value)
+            try:
+                function(**required, **{name: obj})
+            except RangeError as err:
+                return _clear(err, qualified, value, field.accepted)
+            except Exception as err:  # noqa: BLE001
+                return "crash", f"not refused before the work: {type(err).__name__}: {err}"
+        return "silent wrong", "accepted"
+
+    return Case("api", fname, qualified, value, field.accepted, True, run)
+
+
+def _override_cases() -> list[Case]:
+    """run_study(overrides={key: value}): each budget key probed like an option of its type and range
+    (a list is never a number, nor a string)."""
+    from hf_tangent.studies import BUDGET_RANGES
+
+    out = []
+    for key, limit in BUDGET_RANGES.items():
+        option = Option(key, int if limit.integer else float, limit)
+        for value in (*NUMBER_PROBES, [5], [], 5):
+            out.append(_override_case(option, value))
+    return out
+
+
+def _override_case(option, value) -> Case:
+    refused = _refused(option, value)
+
+    def run():
+        # a refused value must stop before the scale's checks; an accepted one ends at the documents' check
+        try:
+            ht.run_study("noise", "smoke", overrides={option.name: value}, train_docs=["x"])
+        except RangeError as err:
+            if not refused:
+                return "silent wrong", f"an accepted value refused: {err}"
+            return _clear(err, option.name, value, option.accepted)
+        except Exception as err:  # noqa: BLE001
+            if refused:
+                return "crash", f"not refused before the work: {type(err).__name__}: {err}"
+            return "ok", f"accepted; then {type(err).__name__}: {str(err)[:80]}"
+        return "silent wrong", "ran"
+
+    return Case("api", "run_study.overrides", option.name, value, option.accepted, refused, run)
+
+
 # ----------------------------------------------------------------------------- the walk
 def covered() -> dict[str, list[str]]:
     """door -> 'owner.option' for every option the walk probes."""
@@ -285,12 +377,26 @@ def covered() -> dict[str, list[str]]:
     return out
 
 
+def unannotated_options() -> list[str]:
+    """'owner.option' for every public option without an annotation (recipe functions, options dataclasses)."""
+    out = [f"{name}.{option}" for name, fn in api_functions().items() for option in unannotated(fn)]
+    return out + [f"{name}.{option}" for name, cls in options_dataclasses().items() for option in unannotated(cls)]
+
+
+def _unannotated_case(qualified: str) -> Case:
+    owner, option = qualified.split(".", 1)
+    return Case("api", owner, option, None, None, True,
+                lambda: ("unannotated", "no annotation: its values are not type-checked; annotate it"))
+
+
 def cases(scratch: Path, doors=("api", "dataclass", "cli", "recipe")) -> list[Case]:
     out = []
     if "api" in doors:
+        out += [_unannotated_case(name) for name in unannotated_options() if name not in UNANNOTATED_PENDING]
         for fname, function in api_functions().items():
             for option in options_of(function).values():
                 out += [_api_case(fname, function, option, v) for v in probes(option)]
+        out += _changed_object_cases() + _override_cases()
     if "dataclass" in doors:
         for cls in options_dataclasses().values():
             for option in _fields(cls).values():
@@ -308,7 +414,7 @@ def cases(scratch: Path, doors=("api", "dataclass", "cli", "recipe")) -> list[Ca
                     seen.add(option.name)
                     dests = {a.dest for a in parser._actions}
                     out += [_cli_case(command, option, v, scratch, door == "recipe", dests) for v in probes(option)
-                            if _refused(option, v)]
+                            if _refused(option, v) and (door == "recipe" or v != [])]
     return out
 
 

@@ -1,0 +1,303 @@
+"""The hostile review of issue 32's validation, one test per defect (each failed before its fix): the
+refusals come before any work (the model unpatched, the folders unchanged), in one message that names
+the option, the value and what is accepted. The generic side is in tests/sweeps/option_walk.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sweeps"))
+import option_walk as walk  # noqa: E402
+from conftest import AUSTEN, tiny_smollm2_llama  # noqa: E402
+
+import hf_tangent as ht  # noqa: E402
+from hf_tangent import cli  # noqa: E402
+from hf_tangent.commands.arguments import dataclasses_of  # noqa: E402
+from hf_tangent.ranges import ChoiceError, OptionTypeError, RangeError, numeric, options_of  # noqa: E402
+
+MISSING = walk.MISSING_MODEL
+
+
+def _text():
+    return ht.TextSource(text_files=(str(AUSTEN / "emma.txt"),), calibration_files=(str(AUSTEN / "prideprejudice.txt"),))
+
+
+def _one_step(tmp_path, **fields):
+    return ht.TangentTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, use_cpu=True,
+                                       per_device_train_batch_size=1, per_device_eval_batch_size=1, **fields)
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- 1, 2: calibrate_gates
+def test_calibrate_a_nameless_model_without_a_patch_repo(tmp_path):
+    model, tokenizer = tiny_smollm2_llama()
+    assert not model.config._name_or_path
+    report = ht.calibrate_gates(model, tokenizer, text=_text(), seq_len=16, max_windows=1, train_windows=1,
+                                training_args=_one_step(tmp_path), progress=False)
+    assert "patch_folder" not in report.data and set(report["gates"]) == {"0", "1"}
+
+
+def test_calibrate_a_nameless_model_with_a_patch_repo_is_refused_before_patching(tmp_path):
+    model, tokenizer = tiny_smollm2_llama()
+    with pytest.raises(ValueError, match=r"config\._name_or_path is empty"):
+        ht.calibrate_gates(model, tokenizer, text=_text(), seq_len=16, max_windows=1, train_windows=1,
+                           training_args=_one_step(tmp_path), save_patch=tmp_path / "patch", progress=False)
+    assert ht.get_config(model) is None and not (tmp_path / "patch").exists()
+
+
+@pytest.mark.parametrize("option", ["save_patch", "save_model"])
+def test_calibrate_checks_its_folders_before_any_work(tmp_path, option):
+    model, tokenizer = tiny_smollm2_llama()
+    model.config._name_or_path = "tiny"
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("my notes", encoding="utf-8")
+    before = _tree(user)
+    with pytest.raises(ValueError, match=rf"hf_tangent\.calibrate_gates\({option}=\).*notes\.txt"):
+        ht.calibrate_gates(model, tokenizer, text=_text(), seq_len=16, max_windows=1, train_windows=1,
+                           training_args=_one_step(tmp_path), progress=False, **{option: user})
+    assert ht.get_config(model) is None and _tree(user) == before and not (tmp_path / "run").exists()
+
+
+def test_calibrate_checks_the_repo_id_before_any_work(tmp_path):
+    model, tokenizer = tiny_smollm2_llama()
+    model.config._name_or_path = "tiny"
+    with pytest.raises(ValueError, match=r"push_to_hub='bad//id!!' is not a hub repo id .*accepted: 'name' or "
+                                         r"'namespace/name'"):
+        ht.calibrate_gates(model, tokenizer, text=_text(), seq_len=16, max_windows=1, train_windows=1,
+                           training_args=_one_step(tmp_path), push_to_hub="bad//id!!", progress=False)
+    assert ht.get_config(model) is None and not (tmp_path / "run").exists()
+
+
+def test_heal_and_finetune_check_their_run_folders_before_any_work(tmp_path):
+    args = _one_step(tmp_path)
+    patch_dir = Path(args.output_dir) / "runs" / "seed0" / "patch"
+    patch_dir.mkdir(parents=True)
+    (patch_dir / "mine.txt").write_text("x", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"hf_tangent\.heal.*mine\.txt"):
+        ht.heal(MISSING, ht.TangentConfig(update="projected"), seeds=[0], save_models=True, training_args=args)
+    folder = Path(args.output_dir) / "runs" / "projected-seed0" / "patch"
+    folder.mkdir(parents=True)
+    (folder / "mine.txt").write_text("x", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"hf_tangent\.finetune.*mine\.txt"):
+        ht.finetune(MISSING, rules=["projected"], seeds=[0], save_models=True, training_args=args)
+
+
+# ----------------------------------------------------------------------------- 3: no unannotated option
+def test_run_study_progress_is_type_checked():
+    with pytest.raises(OptionTypeError, match=r"progress=5 has the wrong type \(int\); accepted: a progress bar "
+                                              r"\(an object with update\(n\), like tqdm\), or None\."):
+        ht.run_study("noise", progress=5)
+    with pytest.raises(OptionTypeError, match=r"train_docs='abc' has the wrong type"):
+        ht.run_study("noise", train_docs="abc", val_docs=["x"])
+
+
+def test_an_annotation_that_does_not_resolve_fails_loudly():
+    from hf_tangent.ranges import validated
+
+    @validated()
+    def broken(x: NoSuchType = 1):  # noqa: F821
+        return x
+
+    with pytest.raises(TypeError, match="do not resolve"):
+        broken(x=2)
+
+
+# ----------------------------------------------------------------------------- 4: overrides
+@pytest.mark.parametrize("value, words", [([5], r"max_steps=\[5\] has the wrong type \(list\)"),
+                                          ([], r"max_steps=\[\] has the wrong type \(list\)"),
+                                          ("5", r"max_steps='5' has the wrong type \(str\)")])
+def test_overrides_take_a_number_of_the_keys_type(value, words):
+    with pytest.raises(OptionTypeError, match=words + r"; accepted: an integer >= 1\."):
+        ht.run_study("noise", overrides={"max_steps": value})
+
+
+# ----------------------------------------------------------------------------- 5, 6: the command line and recipes
+def _parse(argv):
+    """(dataclasses, None) or (None, the error line) for a command line, without running the command."""
+    err = io.StringIO()
+    try:
+        with walk._one_parser(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = cli.parse_args(argv)
+            return dataclasses_of(args.parser, args), None
+    except SystemExit:
+        return None, err.getvalue().strip().splitlines()[-1]
+    except ValueError as exc:  # CommandError from dataclasses_of
+        return None, str(exc)
+
+
+def test_save_total_limit_none_is_reachable(tmp_path):
+    out = str(tmp_path / "out")
+    for argv in (["calibrate", f"--output_dir={out}", "--save_total_limit", "None"],
+                 ["calibrate", f"--output_dir={out}", "--recipe", str(_recipe(tmp_path, "save_total_limit: null"))]):
+        made, error = _parse(argv)
+        assert error is None, error
+        assert next(d for d in made if hasattr(d, "save_total_limit")).save_total_limit is None
+    made, error = _parse(["calibrate", f"--output_dir={out}", "--save_total_limit", "0"])
+    assert "--save-total-limit 0 is out of range; accepted: an integer >= 1, or None." in error
+    with pytest.raises(RangeError, match=r"save_total_limit=0 is out of range"):
+        ht.TangentTrainingArguments(save_total_limit=0)
+
+
+def _recipe(tmp_path, text):
+    path = tmp_path / f"recipe{len(list(tmp_path.glob('recipe*')))}.yaml"
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+TEXTS = ("1e-3", "5", "0", "-1", "1.5", "nan", "inf", "abc", "None")
+
+
+def test_the_command_line_and_a_recipe_give_the_same_answer_for_the_same_text(tmp_path):
+    """Every numeric option of every command: `--name TEXT` and `name: TEXT` in a recipe are both accepted
+    (with the same value) or both refused (saying the same accepted values, or the very same words where
+    the Trainer's own cross-field check refuses)."""
+    out = str(tmp_path / "out")
+    compared = 0
+    problems = []
+    for command, parser in walk.command_parsers().items():
+        seen = set()
+        for cls in parser.dataclass_types:
+            for option in options_of(cls).values():
+                if not numeric(option.hint) or option.name in seen or option.range is None:
+                    continue
+                seen.add(option.name)
+                as_list = not walk.matches(0, option.hint)
+                base = [command, *walk.COMMAND_POSITIONALS.get(command, []), f"--output_dir={out}"]
+                for text in TEXTS:
+                    on_line, line_error = _parse([*base, f"--{option.name}={text}"])
+                    yaml_text = f"[{text}]" if as_list else text
+                    recipe = _recipe(tmp_path, f"{option.name}: {yaml_text}")
+                    in_recipe, recipe_error = _parse([*base, "--recipe", str(recipe)])
+                    compared += 1
+                    if (line_error is None) != (recipe_error is None):
+                        problems.append(f"{command} {option.name}={text}: line {line_error}, recipe {recipe_error}")
+                    elif line_error is None:
+                        a = [getattr(d, option.name) for d in on_line if hasattr(d, option.name)]
+                        b = [getattr(d, option.name) for d in in_recipe if hasattr(d, option.name)]
+                        if a != b:
+                            problems.append(f"{command} {option.name}={text}: {a} vs {b}")
+                    elif line_error != recipe_error and not (option.accepted in line_error and
+                                                             option.accepted in recipe_error):
+                        problems.append(f"{command} {option.name}={text}: {line_error} / {recipe_error}")
+    assert compared > 1000 and not problems, "\n".join(problems[:30])
+
+
+def test_learning_rate_1e_3_in_a_recipe(tmp_path):
+    made, error = _parse(["calibrate", f"--output_dir={tmp_path / 'out'}", "--recipe",
+                          str(_recipe(tmp_path, "learning_rate: 1e-3"))])
+    assert error is None and next(d for d in made if hasattr(d, "learning_rate")).learning_rate == 1e-3
+
+
+# ----------------------------------------------------------------------------- 7: empty lists
+@pytest.mark.parametrize("call, words", [
+    (lambda: ht.heal(MISSING, ht.TangentConfig(update="projected"), seeds=[]), r"seeds=\[\] is empty; accepted: a "
+     r"non-empty list of integers >= 0 and <= 4294967295\."),
+    (lambda: ht.finetune(MISSING, seeds=[]), r"seeds=\[\] is empty"),
+    (lambda: ht.run_study("noise", seeds=[]), r"seeds=\[\] is empty; .*, or None\."),
+    (lambda: ht.ablate(MISSING, variants=[]), r"variants=\[\] is empty; accepted: a non-empty list of strings\."),
+    (lambda: ht.diagnose_layers(MISSING, layers=[]), r"layers=\[\] is empty"),
+    (lambda: ht.parallel_sweep(MISSING, random_seeds=[]), r"random_seeds=\[\] is empty"),
+])
+def test_an_empty_list_that_means_nothing_is_refused(call, words):
+    with pytest.raises(RangeError, match=words):
+        call()
+
+
+def test_an_empty_rules_list_is_documented():
+    option = options_of(ht.evaluate_rules)["rules"]
+    assert option.empty.startswith("only the unpatched model") and not option.nonempty
+
+
+# ----------------------------------------------------------------------------- 8: dtype
+@pytest.mark.parametrize("dtype", ["banana", "float64", "torch.float32"])
+def test_dtype_is_one_of_the_command_lines_choices(dtype):
+    """A string that is no choice is refused as such (a ValueError); a torch.dtype, which the docs never
+    pass, as the wrong type (a TypeError); by name and with a model object alike."""
+    import torch
+
+    value = torch.float32 if dtype == "torch.float32" else dtype
+    error, problem = (OptionTypeError, r"has the wrong type \(dtype\)") if dtype == "torch.float32" else \
+        (ChoiceError, r"is not one of the choices")
+    words = rf"dtype={value!r} {problem}; accepted: one of 'float32', 'bfloat16', 'float16'\."
+    with pytest.raises(error, match=words.replace("torch.float32", r"torch\.float32")):
+        ht.evaluate_rules(MISSING, dtype=value)
+    model, tokenizer = tiny_smollm2_llama()
+    with pytest.raises(error, match=r"accepted: one of 'float32', 'bfloat16', 'float16'\."):
+        ht.evaluate_rules(model, tokenizer, dtype=value)
+
+
+# ----------------------------------------------------------------------------- 9: ints beyond float range
+def test_huge_ints_are_out_of_range():
+    with pytest.raises(RangeError, match=r"budget=100000000000\.\.\.\(401 digits\) is out of range; accepted: a "
+                                         r"finite number >= 0\."):
+        ht.parallel_sweep(MISSING, budget=10**400)
+    with pytest.raises(RangeError, match=r"threshold=100000000000\.\.\.\(401 digits\) is out of range"):
+        ht.critical(MISSING, threshold=10**400)
+
+
+# ----------------------------------------------------------------------------- 10: changed options objects
+def test_an_options_object_is_checked_again_when_received(tmp_path):
+    args = _one_step(tmp_path)
+    args.learning_rate = math.nan
+    with pytest.raises(RangeError, match=r"training_args\.learning_rate=nan is out of range; accepted: a finite number >= 0\."):
+        ht.calibrate_gates(MISSING, training_args=args)
+    settings = ht.HealSettings()
+    settings.temperature = math.nan
+    with pytest.raises(RangeError, match=r"settings\.temperature=nan is out of range"):
+        ht.heal(MISSING, ht.TangentConfig(update="projected"), settings=settings)
+    lora = ht.LoraSettings()
+    lora.r = -3
+    with pytest.raises(RangeError, match=r"lora\.r=-3 is out of range; accepted: an integer >= 1\."):
+        ht.heal(MISSING, ht.TangentConfig(update="projected"), lora=lora)
+    settings = ht.HealSettings()
+    settings.method = "banana"
+    with pytest.raises(ChoiceError, match=r"settings\.method='banana' is not one of the choices; accepted: one of "
+                                          r"'lora', 'full'\."):
+        ht.heal(MISSING, ht.TangentConfig(update="projected"), settings=settings)
+
+
+# ----------------------------------------------------------------------------- the weaker ones
+def test_path_objects_are_accepted_where_a_path_is_meant(tmp_path):
+    with pytest.raises(ValueError, match="unknown scale"):  # accepted: past the options
+        ht.run_study("noise", "no-such-scale", output_dir=tmp_path / "study")
+    with pytest.raises(Exception) as info:  # accepted: ends at loading the missing model
+        ht.ffn_jacobian(MISSING, ablation_report=tmp_path / "report.json")
+    assert not isinstance(info.value, RangeError)
+
+
+def test_numpy_scalars_reach_the_function_as_plain_numbers():
+    import numpy as np
+
+    from hf_tangent.ranges import validated
+
+    @validated()
+    def seen(seq_len: int = 2, budget: float = 0.0, seeds: list[int] = (0,)):
+        return seq_len, budget, seeds
+
+    out = seen(seq_len=np.int64(4), budget=np.float32(0.5), seeds=[np.int32(1)])
+    assert out == (4, 0.5, [1]) and [type(v) for v in (out[0], out[1], out[2][0])] == [int, float, int]
+
+
+def test_tangent_layer_index_type_and_short_messages():
+    from transformers import TrainingArguments
+
+    from hf_tangent.layer import TangentLayer
+
+    with pytest.raises(TypeError, match=r"index='0' has the wrong type \(str\)"):
+        TangentLayer(ht.TangentConfig(update="projected"), "0", update=True, parallel=False)
+    with pytest.raises(OptionTypeError) as info:
+        ht.calibrate_gates(MISSING, training_args=TrainingArguments(output_dir=os.devnull + "-x", use_cpu=True))
+    assert str(info.value) == ("training_args=<TrainingArguments object> has the wrong type (TrainingArguments); "
+                               "accepted: a TangentTrainingArguments, or None.")
+    assert "LoraSettings" in ht.__all__ and ht.LoraSettings().r == 8
