@@ -13,18 +13,19 @@ from ..evaluation import update_variants
 from ..harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
 from ..harness.tasks import TASK_VERSION, TASKS
 from ..patching import get_config, patch, without_patch
-from ..ranges import at_least, validated
+from ..ranges import DType, at_least, validated
 from ..reports import Report
-from .common import Clock, entry_point, environment, resolve_model
+from .common import Clock, Model, Tokenizer, entry_point, environment, resolve_model
 
 LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
 
 
 @validated(LM_EVAL_RANGES)
 @entry_point(patched_model="as is")
-def lm_eval(model, tokenizer=None, *, tasks: list[str] = TASKS, variants: list[str] = ("unpatched", "projected"),
-            model_folders: list[str] = (), include_path: str | None = None, num_fewshot: int | None = None,
-            limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: str = "float32",
+def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TASKS,
+            variants: list[str] = ("unpatched", "projected"), model_folders: list[str] = (),
+            include_path: str | os.PathLike | None = None, num_fewshot: int | None = None,
+            limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: DType = "float32",
             device: str | None = None, seed: int = 0) -> Report:
     """Downstream accuracy of every variant on lm-eval tasks (the `lm-eval` report): the metrics
     exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task (a group's
