@@ -382,7 +382,7 @@ def cli_cases(tmp: Path, model_folder: Path):
         (["ablate", *common, "--bootstrap", "0"], "ablate", "is out of range; accepted: an integer >= 1"),
         (["ablate", *common, "--variants", "everything"], "ablate", "invalid choice"),
         (["diagnose", *common, "--update", "nope"], "diagnose", "invalid choice"),
-        (["diagnose", *common, "--layers", "x"], "diagnose", "'x' has the wrong type; accepted: a list of integers >= 0"),
+        (["diagnose", *common, "--layers", "x"], "diagnose", "'x' has the wrong type; accepted: a non-empty list of integers >= 0"),
         (["sensitivity", *common, "--text-files", emma], "sensitivity", "unrecognized arguments: --text-files"),
         (["parallel-sweep", *common, "--calibration-windows", "0"], "parallel-sweep", "is out of range; accepted: an integer >= 1"),
         (["calibrate", *common, "--layers", "9"], "calibrate", "out of range"),
