@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -153,12 +152,6 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
     return target
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     """Yields an empty folder to write into; on a clean exit its content is `folder`'s (see the
@@ -177,7 +170,8 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
         return
     existed = target.exists()
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.staging-"))
+    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
     try:
         yield staging
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
@@ -198,7 +192,6 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                 warnings.warn(f"{writer}: the previous content of {target} was replaced, but its old copy at {aside} "
                               "could not be removed; delete it by hand.", stacklevel=3)
         else:
-            staging.chmod(0o777 & ~_umask())
             os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -561,3 +561,14 @@ def test_a_homotopy_schedule_of_zero_steps_loads_and_a_bad_one_is_refused(tiny_l
     else:
         with pytest.raises(PatchRepoError, match="field 'hf_tangent.homotopy' must be"):
             ht.from_pretrained(folder)
+
+
+def test_a_new_folder_gets_the_mode_a_new_folder_gets_here(tiny_lm_folder, tmp_path):
+    """Staged folders used to be moved in with mkdtemp's 0700 (later a fixed 0755): a new artifact folder
+    has the mode os.mkdir gives under the process's umask."""
+    old = os.umask(0o027)
+    try:
+        ht.save_patch(gated(tiny_lm_folder), tmp_path / "new")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750
