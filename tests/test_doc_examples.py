@@ -68,7 +68,7 @@ def docs_world(tmp_path_factory):
 
     import hf_tangent as ht
     import hf_tangent.experiments as experiments
-    from hf_tangent import models, training
+    from hf_tangent import checkpoints, models, training
     from hf_tangent.experiments import common
 
     austen = ROOT / "tests" / "data" / "austen"  # the novels' openings: tokenized in milliseconds
@@ -96,6 +96,7 @@ def docs_world(tmp_path_factory):
         mp.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
         mp.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
         mp.setattr(models, "offline_folder", lambda name: base)
+        mp.setattr(checkpoints, "offline_folder", lambda name: base)  # what load_offline reads
         mp.setenv("HF_TANGENT_AUSTEN_DIR", str(austen))
         scale_down(mp, experiments, common, training)
 
