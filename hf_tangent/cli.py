@@ -31,7 +31,8 @@ from .commands.arguments import CommandError, apply_recipe
 
 DESCRIPTION = """\
 Tangential and retraction FFN updates for Hugging Face causal language models: evaluate the update
-rules, calibrate gates, fine-tune, heal, diagnose, and export patched models.
+rules against the unpatched model, calibrate gates, fine-tune, heal, diagnose, and export patched
+models.
 
   hf-tangent calibrate --recipe offline_default     the main job (real SmolLM2-135M, offline)
   hf-tangent <command> --help                        a command's options and their defaults

@@ -94,15 +94,9 @@ def foreign_entries(folder: Path, kind: str | None) -> list[str]:
     return foreign
 
 
-def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Path:
-    """The absolute target of a folder write, after every refusal above (DestinationError).
-
-    Args:
-        folder: where the caller will write (created if missing, replaced whole if an artifact).
-        protected: folders that must not be written over or contain the target's replacement
-            (the model's own base, the source being read); entries that are not folders are ignored.
-        writer: the caller's name for messages ("hf_tangent.save_patch").
-    """
+def _plain_target(folder, writer: str) -> tuple[str, Path]:
+    """(the path as given, its absolute target) after the refusals every writer shares: not a path,
+    empty, `~`, a symlink, the current folder or one above it, the home folder."""
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"{writer}: the destination must be a folder path (str or os.PathLike), got "
                         f"{type(folder).__name__}.")
@@ -123,6 +117,19 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
                                "folder for the output.")
     if target == Path.home().resolve():
         raise DestinationError(f"{writer}: {text!r} is the home folder; name a new or empty folder for the output.")
+    return text, target
+
+
+def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Path:
+    """The absolute target of a folder write, after every refusal above (DestinationError).
+
+    Args:
+        folder: where the caller will write (created if missing, replaced whole if an artifact).
+        protected: folders that must not be written over or contain the target's replacement
+            (the model's own base, the source being read); entries that are not folders are ignored.
+        writer: the caller's name for messages ("hf_tangent.save_patch").
+    """
+    text, target = _plain_target(folder, writer)
     for other in protected:
         if not other or not isinstance(other, (str, os.PathLike)) or not os.path.isdir(other):
             continue
@@ -236,19 +243,12 @@ def claim_run_folder(folder, *, writer: str = "hf_tangent") -> Path:
     """A recipe's output folder (reports, plots, Trainer checkpoints, patch repos) is a new or empty
     folder, or one that holds only what hf_tangent runs write (a rerun replaces the files of the
     same names): refused like a destination above (DestinationError) otherwise. Creates nothing."""
-    path = Path(os.fspath(folder)) if isinstance(folder, (str, os.PathLike)) else None
-    if path is None or not path.is_dir():
+    text, target = _plain_target(folder, writer)
+    if not target.is_dir():
         return check_destination(folder, writer=writer)
-    if path.is_symlink():
-        raise DestinationError(f"{writer}: {os.fspath(folder)!r} is a symbolic link; name the folder itself.")
-    target = path.resolve()
-    cwd = Path.cwd().resolve()
-    if target == cwd or target in cwd.parents or target == Path.home().resolve():
-        raise DestinationError(f"{writer}: {os.fspath(folder)!r} is the current folder, a folder above it or the "
-                               "home folder; name a new or empty folder for the run's output.")
     others = sorted(p.name for p in target.iterdir() if not _RUN_ENTRIES.fullmatch(p.name))
     if others:
-        raise DestinationError(f"{writer}: {os.fspath(folder)!r} holds files no hf_tangent run writes "
+        raise DestinationError(f"{writer}: {text!r} holds files no hf_tangent run writes "
                                f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); the run would write "
                                "report.json, report.md, plots and checkpoints beside them. Name a new or empty folder.")
     return target
