@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from hf_tangent import diagnostics
-from hf_tangent.timing import emit, interleaved_ratio
+from hf_tangent.analysis import diagnostics
+from hf_tangent.analysis.timing import emit, interleaved_ratio
 
 
 def build(tiny: bool):
@@ -22,7 +22,7 @@ def build(tiny: bool):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2)).eval()
         return model, "tiny-llama", torch.randint(0, 256, (2, 64))
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
 
     model, _ = load_model("smollm2-135m")
     return model, "smollm2-135m", torch.randint(0, model.config.vocab_size, (4, 512))

@@ -60,10 +60,10 @@ def copy_bandwidth(device: str, gigabytes: float) -> float:
 
 def kernel_bench(device: str, tokens: int, dims: list[int], rules: list[str]) -> list[dict]:
     import torch
-
-    from hf_tangent.fused import fused_residual_delta
     from hf_tangent.kernels.triton_update import triton_residual_delta
-    from hf_tangent.rules import residual_delta
+
+    from hf_tangent.core.fused import fused_residual_delta
+    from hf_tangent.core.rules import residual_delta
 
     dtype = torch.bfloat16
     compiled = torch.compile(residual_delta, dynamic=False) if device == "cuda" else residual_delta
@@ -112,7 +112,7 @@ def generate_bench(device: str, shape: str, new_tokens: int, repeats: int) -> di
     from patch_overhead import build, build_like
 
     import hf_tangent as ht
-    from hf_tangent.timing import interleaved_ratio
+    from hf_tangent.analysis.timing import interleaved_ratio
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     base = build(shape, device).to(dtype).eval()

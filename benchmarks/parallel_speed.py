@@ -16,8 +16,8 @@ import copy
 import torch
 
 import hf_tangent as ht
-from hf_tangent import parallel
-from hf_tangent.timing import emit, interleaved_ratio
+from hf_tangent.analysis import parallel
+from hf_tangent.analysis.timing import emit, interleaved_ratio
 
 
 def main(argv=None) -> dict:
@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
                                              num_attention_heads=4, num_key_value_heads=2)).eval()
         args.k, args.seq_len, args.repeats, name = 2, 32, 2, "tiny-llama"
     else:
-        from hf_tangent.models import load_model
+        from hf_tangent.artifacts.models import load_model
 
         model, _ = load_model("smollm2-135m")
         name = "smollm2-135m"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hf_tangent as ht
-from hf_tangent.timing import interleaved_ratio
+from hf_tangent.analysis.timing import interleaved_ratio
 
 RULES = {
     "projected": dict(update="projected"),

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import hf_tangent as ht
+from hf_tangent.analysis.timing import emit
 from hf_tangent.experiments.heal import HealTrainingArguments
-from hf_tangent.timing import emit
 
 
 def size(folder: Path) -> int:
@@ -41,8 +41,8 @@ def reload_seconds(folders: dict[str, Path], repeats: int) -> dict[str, float]:
 
 def logits_gap(folders: dict[str, Path]) -> float:
     """Largest |logit| difference between the reloaded patch repo and the complete folder on 64 Austen tokens."""
-    from hf_tangent.data import load_documents, pack_windows
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
+    from hf_tangent.training.data import load_documents, pack_windows
 
     ids = pack_windows(load_tokenizer("smollm2-135m"), load_documents(), seq_len=64, max_windows=1)[:1]
     out = []

@@ -222,8 +222,8 @@ def lastword_baselines(items: list[dict], model: Trigram, calibration_targets: C
 
 # ----------------------------------------------------------------------------- the report
 def calibration_model():
-    from hf_tangent.data import AUSTEN_SPLITS, austen_dir
-    from hf_tangent.harness.tasks import _paragraphs, lastword_items
+    from hf_tangent.integrations.harness.tasks import _paragraphs, lastword_items
+    from hf_tangent.training.data import AUSTEN_SPLITS, austen_dir
 
     folder = austen_dir()
     texts = {n: (folder / f"{n}.txt").read_text(encoding="utf-8") for n in AUSTEN_SPLITS["calibration"]}
@@ -233,12 +233,12 @@ def calibration_model():
 
 
 def read_items(task: str, commit: str | None = None) -> list[dict]:
-    from hf_tangent.harness.tasks import data_file
+    from hf_tangent.integrations.harness.tasks import data_file
 
     if commit is None:
         text = data_file(task).read_text(encoding="utf-8")
     else:
-        text = subprocess.run(["git", "show", f"{commit}:hf_tangent/harness/data/{task}.jsonl"], cwd=ROOT,
+        text = subprocess.run(["git", "show", f"{commit}:hf_tangent/integrations/harness/data/{task}.jsonl"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

@@ -34,7 +34,7 @@ PARALLEL = {"parallel 8": [6, 7, 8, 9, 20, 21, 22, 23], "parallel 12": [6, 7, 8,
 
 def folders(tmp: Path) -> dict[str, Path]:
     import hf_tangent as ht
-    from hf_tangent.models import load_model, offline_folder
+    from hf_tangent.artifacts.models import load_model, offline_folder
 
     out = {"unpatched": offline_folder("smollm2-135m")}
     for name, config in [("projected", ht.TangentConfig(update="projected")),
@@ -46,7 +46,7 @@ def folders(tmp: Path) -> dict[str, Path]:
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    from hf_tangent.data import load_documents, pack_windows
+    from hf_tangent.training.data import load_documents, pack_windows
 
     return pack_windows(tokenizer, load_documents(split="evaluation"), length, n).tolist()
 
@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     import torch
     import vllm
 
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     with tempfile.TemporaryDirectory() as tmp:

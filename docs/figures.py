@@ -105,7 +105,7 @@ def by(rows: list[dict], *keys) -> dict:
 
 # ----------------------------------------------------------------------------- docs/results/README.md
 def results_main_job() -> str:
-    from hf_tangent.reports import PAPER_MEAN_GATES
+    from hf_tangent.experiments.report import PAPER_MEAN_GATES
 
     r = report("offline_default_smollm2.json")
     g, h, c, t = r["gate_summary"], r["heldout"], r["calibration"], r["training"]
@@ -258,7 +258,7 @@ def results_heal_findings() -> str:
 
     homotopy, direct = seeds(["projected", "projected_seeds12"]), seeds(["projected_direct", "projected_direct_seeds12"])
     gains = [direct[s] - homotopy[s] for s in sorted(homotopy)]
-    from hf_tangent.stats import paired_permutation_test
+    from hf_tangent.analysis.stats import paired_permutation_test
 
     lm, kl = report("heal/projected_lm/report.json"), report("heal/projected/report.json")
     d = {name: healed_delta([name]) for name in ("projected", "norm_preserving", "retract_p2", "parallel12",
@@ -600,7 +600,7 @@ def vllm_speed() -> str:
 
 
 # ----------------------------------------------------------------------------- the module table of docs/core.md
-LAYERS = ("rules", "registry", "patching", "sharing", "analysis", "experiments", "commands", "serving")
+LAYERS = ("options", "core", "artifacts", "analysis", "training", "integrations", "experiments", "commands")
 COMMAND_MODULES = "commands/<name>.py"
 
 
@@ -623,7 +623,9 @@ def _hf_tangent_imports(path: Path) -> tuple[set[str], set[str]]:
             base = module[1:]
         else:
             continue
-        names = [base] if node.module and base else [base + [alias.name] for alias in node.names]
+        # `from X import Y` names module X, or module X.Y where Y is a module (a file or a package)
+        names = [base + [alias.name] if (ROOT / "hf_tangent" / Path(*base, alias.name + ".py")).exists()
+                 or (ROOT / "hf_tangent" / Path(*base, alias.name)).is_dir() else base for alias in node.names]
         (inner if id(node) in at_call_time else top).update("/".join(n) for n in names)
     return top, inner - top
 
@@ -752,7 +754,7 @@ def lm_eval_baselines() -> str:
 
 
 def lm_eval_data_size() -> str:
-    files = sorted((ROOT / "hf_tangent" / "harness" / "data").glob("*.jsonl"))
+    files = sorted((ROOT / "hf_tangent" / "integrations" / "harness" / "data").glob("*.jsonl"))
     return f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB"
 
 

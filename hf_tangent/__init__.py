@@ -7,16 +7,16 @@ Importing this package changes nothing: every patch is per model instance. The r
 (`ht.calibrate_gates`, `ht.evaluate_rules`, ...) is imported on first use.
 """
 
-from ._version import __version__
-from .adapters import push_patch, save_patch
-from .config import TangentConfig
-from .data import TextSource
-from .discovery import describe
-from .hub import push_to_hub, save_hub_folder
-from .loading import from_pretrained
-from .models import load_model
-from .parallel import parallelize
-from .patching import (
+from .analysis.parallel import parallelize
+from .artifacts.hub import push_to_hub, save_hub_folder
+from .artifacts.loading import from_pretrained
+from .artifacts.models import load_model
+from .artifacts.patch_repo import push_patch, save_patch
+from .artifacts.serialization import from_config, save_pretrained
+from .core._version import __version__
+from .core.config import TangentConfig
+from .core.discovery import describe
+from .core.patching import (
     TangentLayer,
     disabled,
     get_config,
@@ -27,8 +27,8 @@ from .patching import (
     unpatch,
     update_config,
 )
-from .registry import ArchitectureSpec, register_architecture, supported_model_types
-from .serialization import from_config, save_pretrained
+from .core.registry import ArchitectureSpec, register_architecture, supported_model_types
+from .training.data import TextSource
 
 # The Python API of every recipe (hf_tangent.experiments), loaded lazily: it imports the Trainer.
 _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
@@ -46,13 +46,13 @@ def __getattr__(name: str):
         if _LAZY[name] == "experiments":
             from . import experiments as module
         elif _LAZY[name] == "studies":
-            from . import studies as module
+            from .experiments import studies as module
         elif _LAZY[name] == "reports":
-            from . import reports as module
+            from .experiments import report as module
         elif _LAZY[name] == "training":
-            from . import training as module
+            from .training import trainer as module
         else:
-            from . import healing as module
+            from .training import healing as module
         return getattr(module, name)
     raise AttributeError(f"module 'hf_tangent' has no attribute {name!r}")
 

@@ -9,7 +9,6 @@ import sys
 
 from transformers import HfArgumentParser
 
-from ._version import __version__
 from .commands import (
     ablate,
     calibrate,
@@ -28,6 +27,7 @@ from .commands import (
 )
 from .commands import eval as eval_
 from .commands.arguments import CommandError, apply_recipe
+from .core._version import __version__
 
 DESCRIPTION = """\
 Tangential and retraction FFN updates for Hugging Face causal language models: evaluate the update

@@ -225,9 +225,9 @@ def check_type(model_type: str) -> dict:
         return row
     ids = PROBE_IDS
     try:
-        spec = ht.registry.get_registered(model) or ht.discovery.resolve_spec(model)
+        spec = ht.core.registry.get_registered(model) or ht.core.discovery.resolve_spec(model)
         layers = spec.decoder_layers(model)
-        ht.discovery.require_verified(model, spec, layers, needs_attention=[])
+        ht.core.discovery.require_verified(model, spec, layers, needs_attention=[])
     except ValueError as error:
         reason = str(error).split(". hf_tangent patches")[0].split(". hf_tangent")[0]
         reason = reason.split("), ", 1)[-1] if "discovery failed" in reason else reason.split("hf_tangent: ", 1)[-1]

@@ -8,7 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Without a GPU, Triton kernels run in triton's interpreter on CPU tensors (read when a kernel is
-# decorated, so before anything imports hf_tangent.triton_update).
+# decorated, so before anything imports hf_tangent.core.triton_update).
 if os.environ.get("HF_TANGENT_TEST_CUDA") != "1" and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
@@ -86,7 +86,7 @@ def ids() -> torch.Tensor:
 
 
 def spec_of(model):
-    return ht.registry.get_spec(model.config.model_type)
+    return ht.core.registry.get_spec(model.config.model_type)
 
 
 def layer_output(output):
@@ -103,7 +103,7 @@ def tiny_smollm2_llama(folder: Path | None = None, *, hidden_size: int = 32, lay
                        max_positions: int = 64, **config):
     """A random tiny Llama (seed 0) with the real SmolLM2 tokenizer; saved as a plain transformers folder
     when `folder` is given. Returns (model, tokenizer)."""
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import VOCAB, make_tiny  # noqa: E402
 
 import hf_tangent as ht  # noqa: E402
-from hf_tangent.training import freeze_all_but_gates, gate_values  # noqa: E402
+from hf_tangent.training.trainer import freeze_all_but_gates, gate_values  # noqa: E402
 
 STEPS, BATCH, SEQ = 3, 4, 16
 CONFIG = ht.TangentConfig(update="projected", gates=True)
@@ -51,7 +51,7 @@ def batches(seed: int = 0) -> list[torch.Tensor]:
 
 
 def layer_class(model):
-    return type(ht.discovery.decoder_layers(model)[0])
+    return type(ht.core.discovery.decoder_layers(model)[0])
 
 
 def wrap(model, engine: str, mode: str):
@@ -68,7 +68,7 @@ def wrap(model, engine: str, mode: str):
                                         use_orig_params=True, device_id=torch.device("cpu"), mixed_precision=precision)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in ht.discovery.decoder_layers(model):
+    for layer in ht.core.discovery.decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_tangent as ht
-from hf_tangent.adapters import PatchRepoError, read_record
+from hf_tangent.artifacts.patch_repo import PatchRepoError, read_record
 
 IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 

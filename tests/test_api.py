@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import hf_tangent as ht
-from hf_tangent import ablation, diagnostics, parallel
-from hf_tangent.data import pack_windows
+from hf_tangent.analysis import ablation, diagnostics, parallel
+from hf_tangent.training.data import pack_windows
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hf_tangent as ht
-from hf_tangent import discovery, registry
+from hf_tangent.core import discovery, registry
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import architectures  # noqa: E402
@@ -197,7 +197,7 @@ def test_hand_registered_residual_scale_is_verified():
 def test_analysis_of_an_unpatched_discovered_type():
     """The analysis tools resolve an unregistered type the way patch does (hf-tangent ablate on
     gemma3-270m used to stop at 'model_type is not supported')."""
-    from hf_tangent.ablation import run_ablation
+    from hf_tangent.analysis.ablation import run_ablation
 
     model = architectures.build("gemma3_text")
     windows = architectures.PROBE_IDS.repeat(2, 1)

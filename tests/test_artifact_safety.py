@@ -12,10 +12,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 import hf_tangent as ht
-from hf_tangent import destinations
-from hf_tangent.adapters import PatchRepoError
-from hf_tangent.adapters.repo import check_base, read_record
-from hf_tangent.destinations import DestinationError
+from hf_tangent.artifacts.patch_repo import PatchRepoError, check_base, read_record
+from hf_tangent.core import destinations
+from hf_tangent.core.destinations import DestinationError
 
 IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -395,7 +394,7 @@ def test_offloaded_and_quantised_bases_get_a_clear_message_and_the_way_out(tiny_
 
 
 def test_format_1_records_still_load_with_their_sampled_fingerprint(tiny_lm_folder, tmp_path):
-    from hf_tangent.adapters import identity
+    from hf_tangent.artifacts.patch_repo import identity
 
     model = gated(tiny_lm_folder)
     folder = ht.save_patch(model, tmp_path / "patch")
@@ -411,7 +410,7 @@ def test_format_1_records_still_load_with_their_sampled_fingerprint(tiny_lm_fold
 
 # ----------------------------------------------------------------------------- the card
 def test_the_card_names_the_repo_and_leaves_out_what_does_not_apply(tiny_lm_folder, tmp_path):
-    from hf_tangent.adapters.repo import _card
+    from hf_tangent.artifacts.patch_repo import _card
 
     folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "my-patch")
     card = (folder / "README.md").read_text()
@@ -512,7 +511,7 @@ def test_unknown_record_keys_and_a_wrong_architecture_are_refused(tiny_lm_folder
 
 
 def test_recipe_output_folders_refuse_foreign_files(tmp_path):
-    from hf_tangent.destinations import claim_run_folder
+    from hf_tangent.core.destinations import claim_run_folder
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("x")

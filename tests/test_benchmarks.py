@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_tangent.timing import interleaved_ratio
+from hf_tangent.analysis.timing import interleaved_ratio
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

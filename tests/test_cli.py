@@ -12,8 +12,8 @@ from conftest import nll_with_ffn_rule, projected
 from transformers import LlamaForCausalLM
 
 from hf_tangent import cli
-from hf_tangent.data import pack_windows
-from hf_tangent.models import load_tokenizer
+from hf_tangent.artifacts.models import load_tokenizer
+from hf_tangent.training.data import pack_windows
 
 
 @pytest.fixture
@@ -84,8 +84,8 @@ def test_console_script_runs_the_offline_default(tmp_path):
     assert report["model"] == "smollm2-135m" and report["text"] == "austen:evaluation"
     rows = {r["variant"]: r for r in report["rows"]}
     # independent: the same window, the real weights, the projection as plain torch hooks
-    from hf_tangent.data import load_documents
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
+    from hf_tangent.training.data import load_documents
 
     model, tokenizer = load_model("smollm2-135m")
     windows = pack_windows(tokenizer, load_documents(split="evaluation"), 64, 1)
@@ -108,7 +108,7 @@ def test_eval_of_a_saved_patched_folder_reports_its_patch(tiny_folder, austen_di
     assert rows["saved patch (as loaded)"]["config"]["layers"] == [0]
     unpatched = ht.unpatch(ht.from_pretrained(tmp_path / "patched"))
     windows = pack_windows(load_tokenizer(str(tiny_folder)), [open(austen_dir / "emma.txt").read()], 32, 2)
-    from hf_tangent.evaluation import perplexity
+    from hf_tangent.analysis.evaluation import perplexity
 
     assert rows["unpatched"]["nll"] == pytest.approx(perplexity(unpatched, windows)["nll"], rel=1e-6)
     assert rows["saved patch (as loaded)"]["nll"] != rows["unpatched"]["nll"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_tangent import cli
-from hf_tangent.reports import Report
+from hf_tangent.experiments.report import Report
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -139,8 +139,8 @@ def test_kept_report_pages_are_in_sync_with_their_json(name):
 def test_every_number_on_a_kept_report_page_is_in_its_json(name):
     """Independent of the renderer: each decimal number on the page is a value of the JSON (to the
     digits printed), a difference from the report's reference value (heal: the unpatched NLL), or a
-    published value the page quotes (reports.PAPER_MEAN_GATES)."""
-    from hf_tangent.reports import PAPER_MEAN_GATES
+    published value the page quotes (experiments.report.PAPER_MEAN_GATES)."""
+    from hf_tangent.experiments.report import PAPER_MEAN_GATES
 
     data = json.loads((DOCS / "results" / name).read_text())
     values = _values(data)

@@ -5,8 +5,8 @@ import shutil
 import pytest
 from conftest import SHARED_AUSTEN
 
-from hf_tangent import data
-from hf_tangent.models import load_tokenizer
+from hf_tangent.artifacts.models import load_tokenizer
+from hf_tangent.training import data
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,10 @@ import torch
 from conftest import layer_output, make_tiny, spec_of
 
 import hf_tangent as ht
-from hf_tangent import ablation, cli, diagnostics, training
-from hf_tangent.evaluation import perplexity
+from hf_tangent import cli
+from hf_tangent.analysis import ablation, diagnostics
+from hf_tangent.analysis.evaluation import perplexity
+from hf_tangent.training import trainer as training
 
 EPS = 1e-6
 

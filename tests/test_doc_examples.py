@@ -68,8 +68,9 @@ def docs_world(tmp_path_factory):
 
     import hf_tangent as ht
     import hf_tangent.experiments as experiments
-    from hf_tangent import checkpoints, models, training
+    from hf_tangent.artifacts import checkpoints, models
     from hf_tangent.experiments import common
+    from hf_tangent.training import trainer as training
 
     austen = ROOT / "tests" / "data" / "austen"  # the novels' openings: tokenized in milliseconds
     root = tmp_path_factory.mktemp("docs_world")
@@ -108,7 +109,7 @@ def docs_world(tmp_path_factory):
         def namespace() -> dict:
             from transformers import AutoModelForCausalLM, Trainer, default_data_collator
 
-            from hf_tangent.training import TangentTrainingArguments, lm_dataset
+            from hf_tangent.training.trainer import TangentTrainingArguments, lm_dataset
 
             model, tokenizer = ht.load_model("smollm2-135m")
             windows = torch.randint(0, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(0))

@@ -7,8 +7,8 @@ import torch
 from conftest import ARCHS, make_tiny
 
 import hf_tangent as ht
-from hf_tangent.fused import fused_residual_delta
-from hf_tangent.rules import residual_delta
+from hf_tangent.core.fused import fused_residual_delta
+from hf_tangent.core.rules import residual_delta
 
 pytestmark = pytest.mark.core
 

@@ -11,9 +11,10 @@ import torch
 from conftest import make_tiny
 
 import hf_tangent as ht
-from hf_tangent import cli, geometry
-from hf_tangent.reports import Report
-from hf_tangent.stats import spearman
+from hf_tangent import cli
+from hf_tangent.analysis import geometry
+from hf_tangent.analysis.stats import spearman
+from hf_tangent.experiments.report import Report
 
 
 def _symmetric(d=6, seed=0):
@@ -214,7 +215,7 @@ def test_refined_critical_directions_on_every_architecture(arch):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
 
     return load_model("smollm2-135m")
 

@@ -139,8 +139,8 @@ def test_heal_full_method_runs_teacher_and_student_on_the_gpu(tmp_path):
     """--method full: the frozen teacher copy is created on the CPU and must follow the student."""
     import copy
 
-    from hf_tangent.healing import heal_trainer_class
-    from hf_tangent.training import lm_dataset, train, training_arguments
+    from hf_tangent.training.healing import heal_trainer_class
+    from hf_tangent.training.trainer import lm_dataset, train, training_arguments
 
     base = make_tiny("llama")
     teacher = copy.deepcopy(base)

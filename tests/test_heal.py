@@ -10,7 +10,7 @@ import torch
 from conftest import logits_without_hf_tangent, make_tiny, nll_with_ffn_rule
 
 import hf_tangent as ht
-from hf_tangent.healing import (
+from hf_tangent.training.healing import (
     HomotopyCallback,
     distillation_loss,
     heal_trainer_class,
@@ -18,7 +18,7 @@ from hf_tangent.healing import (
     homotopy_value,
     teacher_of,
 )
-from hf_tangent.training import lm_dataset, train, training_arguments
+from hf_tangent.training.trainer import lm_dataset, train, training_arguments
 
 
 def logits(model, ids):
@@ -243,8 +243,8 @@ def test_heal_command_report_and_healed_hub_folder(tiny_lm_folder, austen_dir, t
     # independent: the healed folder reloads as a patched model whose held-out NLL is the reported one
     healed = ht.from_pretrained(run["saved"]["model"]).eval()
     assert ht.get_config(healed).update == "retract" and ht.get_homotopy(healed) == 1.0
-    from hf_tangent.data import pack_windows
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
+    from hf_tangent.training.data import pack_windows
 
     text = open(austen_dir / "emma.txt", encoding="utf-8").read()
     documents = [text]

@@ -44,7 +44,7 @@ def kept(name: str) -> dict:
 def smollm2(monkeypatch_module):
     from conftest import SHARED_AUSTEN
 
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
 
     if not SHARED_AUSTEN.is_dir():
         pytest.skip("the kept reports were measured on the whole novels; tests/data has their openings only")
@@ -61,9 +61,9 @@ def monkeypatch_module():
 
 def recompute(smollm2, *, seq_len: int, windows: int, training: bool, names: list[str], batch_size: int) -> dict:
     """The rule table's rows `names`, as the command computed them (same documents, windows, batch)."""
-    from hf_tangent.data import TextSource
-    from hf_tangent.evaluation import evaluate_variants
+    from hf_tangent.analysis.evaluation import evaluate_variants
     from hf_tangent.experiments.common import windows as make_windows
+    from hf_tangent.training.data import TextSource
 
     model, tokenizer = smollm2
     documents = TextSource.of(None).evaluation_documents(**({"training": True} if training else {}))

@@ -36,14 +36,28 @@ def test_no_importlib_load_of_the_package_itself():
 
 
 def test_the_core_of_the_contracts_is_the_remote_code():
-    from hf_tangent.destinations import REMOTE_CODE_MODULES
+    """The contract's core is the folder hf_tangent/core, and what a patched folder ships as remote code is
+    that folder's modules (listed, so a module added there ships) plus the two generated files."""
+    from hf_tangent.artifacts import hub
+    from hf_tangent.core.destinations import REMOTE_CODE_MODULES
 
     config = configparser.ConfigParser()
     config.read(ROOT / ".importlinter")
-    core = config["importlinter:contract:core-stands-alone"]["source_modules"].split()
-    shipped = {name.removesuffix(".py") for name in REMOTE_CODE_MODULES} - {"configuration_hf_tangent",
-                                                                            "modeling_hf_tangent"}
-    assert {m.removeprefix("hf_tangent.") for m in core} == shipped
+    assert config["importlinter:contract:core-stands-alone"]["source_modules"].split() == ["hf_tangent.core"]
+    on_disk = sorted(p.name for p in (ROOT / "hf_tangent" / "core").glob("*.py") if p.name != "__init__.py")
+    assert list(hub.REMOTE_CODE_MODULES) == on_disk
+    assert set(REMOTE_CODE_MODULES) == {*on_disk, "configuration_hf_tangent.py", "modeling_hf_tangent.py"}
+
+
+def test_a_module_added_to_the_core_ships_as_remote_code(tmp_path):
+    copy = tmp_path / "hf_tangent"
+    shutil.copytree(ROOT / "hf_tangent", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "core" / "extra_rule.py").write_text("X = 1\n", encoding="utf-8")
+    code = "from hf_tangent.artifacts import hub; print(' '.join(hub.REMOTE_CODE_MODULES))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": str(Path(sys.executable).parent)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "extra_rule.py" in result.stdout.split() and "patching.py" in result.stdout.split()
 
 
 def test_the_contracts_can_fail(tmp_path):
@@ -51,8 +65,8 @@ def test_the_contracts_can_fail(tmp_path):
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     copy = tmp_path / "hf_tangent"
     shutil.copytree(ROOT / "hf_tangent", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    rules = copy / "rules.py"
-    rules.write_text(rules.read_text(encoding="utf-8") + "\nfrom . import cli  # noqa\n", encoding="utf-8")
+    rules = copy / "core" / "rules.py"
+    rules.write_text(rules.read_text(encoding="utf-8") + "\nfrom .. import cli  # noqa\n", encoding="utf-8")
     result = subprocess.run([lint, "--no-cache", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": str(Path(lint).parent)})
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

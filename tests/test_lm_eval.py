@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval")
 
 import hf_tangent as ht  # noqa: E402
 from hf_tangent.experiments.downstream import _paired  # noqa: E402
-from hf_tangent.harness import run, tasks  # noqa: E402
+from hf_tangent.integrations.harness import run, tasks  # noqa: E402
 
 LIMIT = 12
 
@@ -90,7 +90,7 @@ def test_nextsentence_items_are_independent_and_their_choices_look_alike():
 def test_lastword_accuracy_against_greedy_match_with_plain_transformers():
     """On the real SmolLM2 weights (a random model never guesses a word): lm-eval's acc per item is the
     greedy match of the target's tokens, computed here with plain transformers."""
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     out = run.evaluate(model, tokenizer, ["austen_lastword"], run.task_manager(), limit=LIMIT)

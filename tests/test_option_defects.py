@@ -292,7 +292,7 @@ def test_numpy_scalars_reach_the_function_as_plain_numbers():
 def test_tangent_layer_index_type_and_short_messages():
     from transformers import TrainingArguments
 
-    from hf_tangent.layer import TangentLayer
+    from hf_tangent.core.layer import TangentLayer
 
     with pytest.raises(TypeError, match=r"index='0' has the wrong type \(str\)"):
         TangentLayer(ht.TangentConfig(update="projected"), "0", update=True, parallel=False)

@@ -11,7 +11,8 @@ import torch
 from conftest import make_tiny, spec_of
 
 import hf_tangent as ht
-from hf_tangent import cli, parallel
+from hf_tangent import cli
+from hf_tangent.analysis import parallel
 
 
 def tiny(arch="llama", seed=0):

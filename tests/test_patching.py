@@ -36,7 +36,7 @@ def run_capture(model, ids, k=K):
 
 
 def expected_delta(config, x, y):
-    """x_next - x, from math.md, in float64, independent of hf_tangent.rules."""
+    """x_next - x, from math.md, in float64, independent of hf_tangent.core.rules."""
     dot = (x * y).sum(-1, keepdim=True)
     c = dot / (x * x).sum(-1, keepdim=True)
     y_tan = y - c * x

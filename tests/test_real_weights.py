@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import hf_tangent as ht
-from hf_tangent.data import pack_windows
-from hf_tangent.evaluation import perplexity
-from hf_tangent.models import load_model
+from hf_tangent.analysis.evaluation import perplexity
+from hf_tangent.artifacts.models import load_model
+from hf_tangent.training.data import pack_windows
 
 pytestmark = pytest.mark.real
 

@@ -13,7 +13,7 @@ from conftest import VOCAB, make_tiny
 from safetensors.torch import load_file, save_file
 
 import hf_tangent as ht
-from hf_tangent.rules import residual_delta
+from hf_tangent.core.rules import residual_delta
 
 pytestmark = pytest.mark.core
 PROJECTED = ht.TangentConfig(update="projected")
@@ -268,7 +268,7 @@ def test_fp16_retraction_does_not_overflow_where_x_next_fits():
     exact = x16.double() + residual_delta(x16.double(), y16.double(), "retract", p=math.inf)  # x_next
     needs = (exact - x16.double()).abs().max(-1).values > 65504
     assert needs.any() and (exact.abs() < 65504).all()  # the case: delta out of range, x_next in range
-    for delta in (residual_delta, ht.fused.fused_residual_delta):
+    for delta in (residual_delta, ht.core.fused.fused_residual_delta):
         out = x16 + delta(x16, y16, "retract", p=math.inf)  # the model's own add, in fp16
         assert torch.isfinite(out).all(), delta
         close = ~needs  # elsewhere the add lands on x_next (to fp16 rounding)
@@ -368,7 +368,7 @@ def test_old_scalar_gates_still_load(tmp_path, ids):
 
 # ----------------------------------------------------------------------------- resume
 def test_resume_uses_the_newest_complete_checkpoint(tmp_path):
-    from hf_tangent.training import last_complete_checkpoint, train
+    from hf_tangent.training.trainer import last_complete_checkpoint, train
 
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")

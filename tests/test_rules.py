@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_tangent import rules
+from hf_tangent.core import rules
 
 pytestmark = pytest.mark.core
 

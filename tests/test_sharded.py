@@ -75,7 +75,7 @@ def test_saved_sharded_models_reload_in_a_fresh_process(sharded_runs):
     names = [f"{r['engine']}-{r['arch']}-{r['mode']}" for r in ranks[0] if "reference_losses" in r]
     script = textwrap.dedent(f"""
         import json, torch, hf_tangent as ht
-        from hf_tangent.training import gate_values
+        from hf_tangent.training.trainer import gate_values
         from sharded_worker import eval_logits
         out = {{}}
         for name in {names!r}:
@@ -118,7 +118,7 @@ def test_hub_folder_of_an_fsdp2_model_loads_without_hf_tangent(sharded_runs, tmp
 def test_fsdp1_with_mixed_dtypes_is_refused_with_what_to_set(monkeypatch, tmp_path):
     from conftest import make_tiny
 
-    from hf_tangent.training import train, training_arguments
+    from hf_tangent.training.trainer import train, training_arguments
 
     model = ht.patch(make_tiny("llama").to(torch.bfloat16), ht.TangentConfig(gates=True))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -127,7 +127,7 @@ def test_fsdp1_with_mixed_dtypes_is_refused_with_what_to_set(monkeypatch, tmp_pa
     with pytest.raises(ValueError, match=r"FSDP1 .* one dtype.*load the model in float32.*fsdp_version: 2"):
         train(model, None, args)
     monkeypatch.setenv("FSDP_VERSION", "2")  # FSDP2 keeps each parameter's dtype: no objection
-    from hf_tangent.training import check_sharding
+    from hf_tangent.training.trainer import check_sharding
 
     check_sharding(model)
 

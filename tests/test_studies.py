@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from hf_tangent import cli, studies, verdicts
+from hf_tangent import cli
+from hf_tangent.analysis import verdicts
+from hf_tangent.experiments import studies
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_study_report_page(smoke, tmp_path):
 
 def test_study_recipe_budget_and_own_data(tmp_path):
     """`study:` comes from the recipe, budget options override the scale, --text-files replace the text."""
-    from hf_tangent.data import austen_files
+    from hf_tangent.training.data import austen_files
 
     files = [str(f) for f in austen_files("evaluation")] + [str(f) for f in austen_files("calibration")][:1]
     assert cli.main(["study", "--recipe", "study_retraction", "--scale", "smoke", "--variants", "retract p=2",

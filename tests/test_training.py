@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_tangent as ht
-from hf_tangent import cli, training
-from hf_tangent.data import pack_windows
-from hf_tangent.evaluation import PERPLEXITY_METRIC, perplexity, strided_perplexity
-from hf_tangent.models import load_tokenizer
+from hf_tangent import cli
+from hf_tangent.analysis.evaluation import PERPLEXITY_METRIC, perplexity, strided_perplexity
+from hf_tangent.artifacts.models import load_tokenizer
+from hf_tangent.training import trainer as training
+from hf_tangent.training.data import pack_windows
 
 
 def calibrate(folder, out, austen_dir, *, compare=(), save_model=True, save_patch=True, **training_fields):
@@ -283,7 +284,7 @@ def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, aust
 
 
 def test_paired_permutation_test_against_enumeration():
-    from hf_tangent.stats import paired_permutation_test
+    from hf_tangent.analysis.stats import paired_permutation_test
 
     assert paired_permutation_test([1.0, 2.0, 3.0]) == 2 / 8  # only all-plus and all-minus reach 2.0
     assert paired_permutation_test([1.0, -1.0]) == 1.0
@@ -356,11 +357,11 @@ def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch, tiny
 def test_remote_code_ships_every_module_it_imports():
     import re
 
-    from hf_tangent import hub
+    from hf_tangent.artifacts import hub
 
     shipped = set(hub.REMOTE_CODE_MODULES)
     shipped |= {hub.REMOTE_CONFIG_FILE}  # generated next to the modeling file
-    texts = [(hub.PACKAGE_DIR / name).read_text() for name in hub.REMOTE_CODE_MODULES] + [hub._MODELING_TEMPLATE,
+    texts = [(hub.CORE_DIR / name).read_text() for name in hub.REMOTE_CODE_MODULES] + [hub._MODELING_TEMPLATE,
                                                                                            hub._CONFIG_TEMPLATE]
     for text in texts:
         for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):

@@ -12,9 +12,9 @@ import torch
 from conftest import make_tiny
 
 import hf_tangent as ht
-from hf_tangent.rules import residual_delta
+from hf_tangent.core.rules import residual_delta
 
-triton_update = pytest.importorskip("hf_tangent.triton_update")
+triton_update = pytest.importorskip("hf_tangent.core.triton_update")
 if not triton_update.available():
     pytest.skip("triton is not installed", allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -131,7 +131,7 @@ def test_without_the_plugin_a_patched_folder_is_refused(base, tmp_path, flags):
 def test_a_family_the_plugin_does_not_serve_is_refused_by_name(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     model = ht.patch(GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=128, n_layer=2, n_head=2)),
@@ -147,7 +147,7 @@ def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
     |y| / |x|, which is 13-31 at SmolLM2's layer 0 (31 at most here): with the rule there the gap grows
     by that much (4e-4 measured), still far below what the patch itself changes, so serving the base or
     a wrong rule fails this test."""
-    from hf_tangent.models import load_model
+    from hf_tangent.artifacts.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     model.save_pretrained(tmp_path / "base")
@@ -171,7 +171,7 @@ def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
 def pre_03_folder(folder: Path) -> Path:
     """`folder` (a patched folder) as hf_tangent 0.2 wrote it: the base's model_type and architecture in
     config.json, the "hf_tangent" record kept, no auto_map and no remote code beside it."""
-    from hf_tangent.hub import REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE
+    from hf_tangent.artifacts.hub import REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE
 
     config_file = folder / "config.json"
     data = json.loads(config_file.read_text(encoding="utf-8"))
@@ -209,7 +209,7 @@ def test_a_record_under_any_name_not_hf_tangents_is_refused():
     configs pass; register() installs it on vLLM's registry once."""
     from vllm import ModelRegistry
 
-    from hf_tangent.serving.vllm_plugin import refuse_misnamed_patched_folder, register
+    from hf_tangent.integrations.vllm.plugin import refuse_misnamed_patched_folder, register
 
     def config(model_type, architectures, **record):
         return SimpleNamespace(model="F", hf_config=SimpleNamespace(model_type=model_type, architectures=architectures,

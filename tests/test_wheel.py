@@ -35,10 +35,10 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_carries_recipes_card_and_metric(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"hf_tangent/recipes/offline_default.yaml", "hf_tangent/model_cards/hf_tangent_model_card.md",
-            "hf_tangent/metrics/tangent_perplexity/tangent_perplexity.py", "hf_tangent/commands/calibrate.py",
+            "hf_tangent/analysis/metrics/tangent_perplexity/tangent_perplexity.py", "hf_tangent/commands/calibrate.py",
             "hf_tangent/experiments/calibrate.py", "hf_tangent/recipes/accelerate/fsdp2.yaml",
-            "hf_tangent/triton_update.py",  # implementation="triton" from an installed wheel (was missing)
-            "hf_tangent/discovery.py", "hf_tangent/healing.py", "hf_tangent/recipes/heal_default.yaml"} <= names
+            "hf_tangent/core/triton_update.py",  # implementation="triton" from an installed wheel (was missing)
+            "hf_tangent/core/discovery.py", "hf_tangent/training/healing.py", "hf_tangent/recipes/heal_default.yaml"} <= names
     assert not any(n.startswith(("tests/", "docs/")) for n in names)
     # nothing the source no longer has: setuptools reuses a checkout's build/lib, where a renamed module
     # (hf_tangent/heal.py -> healing.py) lived on and hid this test's own stale expectation

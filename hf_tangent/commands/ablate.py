@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..ablation import VARIANTS
+from ..analysis.ablation import VARIANTS
 from ..experiments.analysis import ABLATE_RANGES
 from ..ranges import Range
 from .arguments import (

@@ -19,11 +19,11 @@ from typing import ClassVar
 
 import torch
 
-from .. import data
-from ..data import TextSource
-from ..destinations import DestinationError, claim_run_folder
-from ..models import DEFAULT_MODEL, OFFLINE_MODELS
+from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
+from ..core.destinations import DestinationError, claim_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
+from ..training import data
+from ..training.data import TextSource
 
 
 class CommandError(ValueError):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..evaluation import update_variants
-from ..training import TangentTrainingArguments
+from ..analysis.evaluation import update_variants
+from ..training.trainer import TangentTrainingArguments
 from .arguments import (
     CalibrationTextArguments,
     Checked,

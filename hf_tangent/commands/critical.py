@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from ..analysis.geometry import FIELDS
 from ..experiments.geometry import CRITICAL_RANGES
-from ..geometry import FIELDS
 from ..ranges import Range
 from .arguments import (
     Checked,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..evaluation import update_variants
+from ..analysis.evaluation import update_variants
 from .arguments import (
     Checked,
     EvalTextArguments,

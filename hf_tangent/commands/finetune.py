@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..evaluation import update_variants
+from ..analysis.evaluation import update_variants
 from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings
 from ..ranges import Range, at_least
 from .arguments import (

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from ..evaluation import update_variants
+from ..analysis.evaluation import update_variants
 from ..experiments.finetune import LoraSettings
 from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments
 from ..ranges import Range, at_least

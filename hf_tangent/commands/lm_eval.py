@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..evaluation import update_variants
-from ..harness.tasks import TASKS
+from ..analysis.evaluation import update_variants
+from ..integrations.harness.tasks import TASKS
 from ..ranges import Range, at_least
 from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight
 
@@ -37,7 +37,7 @@ def lm_eval_command_parser(subparsers):
 
 
 def lm_eval_command(args) -> int:
-    from ..harness.run import require_lm_eval
+    from ..integrations.harness.run import require_lm_eval
 
     model, run, options = dataclasses_of(args.parser, args)
     require_lm_eval()  # before any model is loaded

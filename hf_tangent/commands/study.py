@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..experiments.studies import ARCHS, BUDGET_RANGES, SCALES, STUDIES
 from ..ranges import Range
-from ..studies import ARCHS, BUDGET_RANGES, SCALES, STUDIES
 from .arguments import Checked, CommandError, add_command, dataclasses_of, preflight
 
 
@@ -53,7 +53,7 @@ def study_command_parser(subparsers):
 
 def _documents(options):
     """(train documents, validation documents, their description) or Nones for the scale's text."""
-    from ..data import TextSource
+    from ..training.data import TextSource
 
     if not (options.text_files or options.dataset or options.calibration_files):
         return None, None, None
@@ -68,7 +68,7 @@ def _documents(options):
 
 def study_command(args) -> int:
     from ..experiments.common import progress_bar
-    from ..studies import check_request, run_study
+    from ..experiments.studies import check_request, run_study
 
     options, budget = dataclasses_of(args.parser, args)
     if args.study is None:

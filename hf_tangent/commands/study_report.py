@@ -22,7 +22,7 @@ def study_report_command_parser(subparsers):
 
 
 def study_report_command(args) -> int:
-    from ..studies import write_study_page
+    from ..experiments.studies import write_study_page
 
     (options,) = dataclasses_of(args.parser, args)
     reports = []

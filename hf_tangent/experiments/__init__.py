@@ -1,5 +1,6 @@
 """The Python API of every recipe: typed arguments in, a `Report` (to_dict / to_markdown / save) out.
-The `hf-tangent` commands are thin layers over these."""
+The `hf-tangent` commands are thin layers over these. Each module renders the reports it makes and
+registers them with report.py; importing them all here keeps that table whole."""
 
 from .analysis import ablate, diagnose_layers, layer_sensitivity, parallel_sweep
 from .calibrate import calibrate_gates
@@ -8,6 +9,7 @@ from .evaluate import evaluate_rules
 from .finetune import LoraSettings, finetune
 from .geometry import critical, ffn_jacobian, pressure
 from .heal import HealSettings, HealTrainingArguments, heal
+from .studies import run_study  # noqa: F401  (ht.run_study; and its report kind, "study", registers here)
 
 __all__ = ["HealSettings", "HealTrainingArguments", "LoraSettings", "ablate", "calibrate_gates", "critical", "diagnose_layers",
            "evaluate_rules", "ffn_jacobian", "finetune", "heal", "layer_sensitivity", "lm_eval", "parallel_sweep",

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
-from ..ablation import VARIANTS as ABLATIONS
-from ..ablation import forward_passes, run_ablation
-from ..config import TangentConfig
-from ..data import TextSource
-from ..diagnostics import QUANTITIES, diagnose
-from ..discovery import architecture, decoder_layers
-from ..evaluation import update_variants
-from ..parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
-from ..patching import patch
+from ..analysis.ablation import VARIANTS as ABLATIONS
+from ..analysis.ablation import forward_passes, run_ablation
+from ..analysis.diagnostics import QUANTITIES, diagnose
+from ..analysis.evaluation import update_variants
+from ..analysis.parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
+from ..analysis.timing import interleaved_ratio
+from ..core.config import TangentConfig
+from ..core.discovery import architecture, decoder_layers
+from ..core.patching import patch
 from ..ranges import LAYER_INDICES, DType, Range, at_least, validated
-from ..reports import Report
-from ..timing import interleaved_ratio
+from ..training.data import TextSource
+from . import plots
 from .common import (
     Clock,
     Model,
@@ -30,6 +31,7 @@ from .common import (
     resolve_model,
     windows,
 )
+from .report import Report, register_report
 
 ABLATE_RANGES = {"bootstrap": at_least(1)}
 PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1),
@@ -196,3 +198,116 @@ def measure_speed(model, held_out: torch.Tensor, layers: list[int], batch_size: 
             "measured_time_ratio": {k: v["ratio_median"] for k, v in measured.items()},
             "measured_speedup": {k: 1.0 / v["ratio_median"] for k, v in measured.items()},
             "measured": measured, "tokens": int(ids.numel())}
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def diagnose_markdown(report: dict) -> str:
+    cols = ["rho", "orthogonality_error", "norm_x", "ffn_angle", "diversity_before_attention",
+            "diversity_after_attention", "diversity_after_ffn", "deficit", "ffn_share"]
+    lines = [f"# hf-tangent diagnose: {report['model']} ({report['update']})", "",
+             f"{report['windows']} windows x {report['seq_len']} tokens of {report['text']}; per-layer means over "
+             "tokens (diversity: mean over sequences). Definitions: docs/diagnostics.md.", "",
+             "| layer | " + " | ".join(cols) + " | norm drift |", "|---" * (len(cols) + 2) + "|"]
+    for r in report["layers"]:
+        lines.append(f"| {r['layer']} | " + " | ".join(f"{r[c]['mean']:.4g}" for c in cols) + f" | {r['norm_drift']:.4g} |")
+    lines += ["", "![per-layer diagnostics](diagnostics_layers.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def ablate_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent ablate: {report['model']}", "",
+             f"Full model loss {report['full_loss']:.4f} nats/token on {report['windows']} windows x "
+             f"{report['seq_len']} tokens of {report['text']}; increase over full with a 95% paired bootstrap "
+             "interval over windows.", "",
+             "| variant | layers | loss | increase | 95% CI |", "|---|---|---:|---:|---|"]
+    for r in report["rows"]:
+        if r["layer"] == "all":
+            lines.append(f"| {r['variant']} | all | {r['loss']:.4f} | {r['increase']:+.4f} | "
+                         f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] |")
+    layerwise = [r for r in report["rows"] if r["layer"] != "all"]
+    if layerwise:
+        variants = list(dict.fromkeys(r["variant"] for r in layerwise))
+        lines += ["", "One layer at a time (loss increase):", "", "| layer | " + " | ".join(variants) + " |",
+                  "|---" * (len(variants) + 1) + "|"]
+        for layer in sorted({r["layer"] for r in layerwise}):
+            cells = [next(r for r in layerwise if r["layer"] == layer and r["variant"] == v) for v in variants]
+            lines.append(f"| {layer} | " + " | ".join(f"{c['increase']:+.4f}" for c in cells) + " |")
+        lines += ["", "![layerwise](ablation_heatmap.png)"]
+    lines += ["", "![ablations](ablation_bars.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def sensitivity_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent sensitivity: {report['model']}", "",
+             f"C_l on {report['windows']} calibration windows x {report['seq_len']} tokens of {report['text']}.", ""]
+    if report["already_parallel"]:
+        lines += [f"Layers {report['already_parallel']} are already parallel-residual blocks: nothing to convert there.", ""]
+    lines += ["| layer | C_l (token mean) | window mean +- sd | q05 .. q95 |", "|---:|---:|---:|---|"]
+    for r in report["layers"]:
+        if not r["already_parallel"]:
+            t = r["token_stats"]
+            lines.append(f"| {r['layer']} | {r['c']:.4f} | {r['window_mean']:.4f} +- {r['window_std']:.4f} | "
+                         f"{t['q05']:.3f} .. {t['q95']:.3f} |")
+    return "\n".join(lines + ["", "![C_l](sensitivity.png)"]) + "\n"
+
+
+def sweep_markdown(report: dict) -> str:
+    sweep = report["sweep"]
+    curves = _int_keys(sweep["curves"])
+    schedules = list(curves)
+    lines = [f"# hf-tangent parallel-sweep: {report['model']}", "",
+             f"Held-out loss {sweep['base_loss']:.4f} nats/token unconverted ({report['heldout_windows']} windows x "
+             f"{report['seq_len']} tokens); C_l and greedy on {report['calibration_windows']} calibration windows. "
+             "Loss increase by number of converted layers (random: mean over seeds):", "",
+             "| k | " + " | ".join(schedules) + " |", "|---:" * (len(schedules) + 1) + "|"]
+    for k in sweep["ks"]:
+        lines.append(f"| {k} | " + " | ".join(f"{curves[s][k]:+.4f}" if k in curves[s] else "-" for s in schedules) + " |")
+    lines += ["", "![sweep](parallel_sweep.png)", "", f"## Largest set within +{next(iter(report['recommendations'].values()))['budget']} nats (chosen on calibration text)", "",
+              "| order | k | layers | held-out increase | within budget on held-out |", "|---|---:|---|---:|---|"]
+    for name, r in report["recommendations"].items():
+        lines.append(f"| {name} | {r['k']} | {r['layers']} | {r['heldout_increase']:+.4f} | {r['within_budget_heldout']} |")
+    if report["speed"]:
+        sp = report["speed"]
+        lines += ["", "## Speed", "", f"Converted layers {sp['layers']}: estimated speedup (A and FFN concurrent, "
+                  f"from measured T_A, T_Phi) **{sp['estimated_speedup']:.3f}x**; measured end-to-end (1 x "
+                  f"{sp['tokens']} tokens, same run): " + ", ".join(f"{k} {v:.3f}x" for k, v in sp["measured_speedup"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _int_keys(curves: dict) -> dict:
+    """Sweep curves by schedule and k, with int k (a report read back from JSON has string keys)."""
+    return {schedule: {int(k): v for k, v in curve.items()} for schedule, curve in curves.items()}
+
+
+def _plot_ablate(data, folder):
+    out = [plots.ablation_bars(data["rows"], os.path.join(folder, "ablation_bars.png"), title=f"{data['model']}: ablations")]
+    if any(r["layer"] != "all" for r in data["rows"]):
+        out.append(plots.ablation_heatmap(data["rows"], os.path.join(folder, "ablation_heatmap.png"),
+                                          title=f"{data['model']}: one layer at a time"))
+    return out
+
+
+def _plot_sensitivity(data, folder):
+    layers = data["layers"] if "layers" in data else data["sensitivity"]["layers"]
+    if all(r["already_parallel"] for r in layers):
+        return []
+    return [plots.sensitivity_profile(layers, os.path.join(folder, "sensitivity.png"), title=f"C_l: {data['model']}")]
+
+
+def _plot_sweep(data, folder):
+    sweep = data["sweep"]
+    curves, spread = _int_keys(sweep["curves"]), {int(k): v for k, v in sweep["random_std"].items()}
+    return _plot_sensitivity(data, folder) + [plots.parallel_sweep(
+        curves, spread, os.path.join(folder, "parallel_sweep.png"), title=f"{data['model']}: parallel-residual conversion")]
+
+
+def _plot_diagnose(data, folder):
+    return [plots.diagnostics_layers(data["layers"], os.path.join(folder, "diagnostics_layers.png"),
+                                     title=f"{data['model']} ({data['update']})")]
+
+
+register_report('diagnose', diagnose_markdown, _plot_diagnose)
+register_report('ablate', ablate_markdown, _plot_ablate)
+register_report('sensitivity', sensitivity_markdown, _plot_sensitivity)
+register_report('parallel-sweep', sweep_markdown, _plot_sweep)

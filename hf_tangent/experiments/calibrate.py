@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..adapters.repo import patch_record, push_patch, write_patch_repo
-from ..config import TangentConfig
-from ..data import TextSource
-from ..destinations import check_destination
-from ..discovery import decoder_layers
-from ..evaluation import evaluate_variants, perplexity
-from ..hub import save_hub_folder
-from ..patching import patch
+from ..analysis.evaluation import evaluate_variants, perplexity
+from ..artifacts.hub import save_hub_folder
+from ..artifacts.patch_repo import patch_record, push_patch, write_patch_repo
+from ..core.config import TangentConfig
+from ..core.destinations import check_destination
+from ..core.discovery import decoder_layers
+from ..core.patching import patch
 from ..ranges import DType, validated
-from ..reports import Report, calibrate_results_markdown, training_card
-from ..training import (
+from ..training.data import TextSource
+from ..training.trainer import (
     TangentTrainingArguments,
     freeze_all_but_gates,
     gate_summary,
@@ -26,7 +26,9 @@ from ..training import (
     train,
     training_summary,
 )
+from . import plots
 from .common import Clock, Model, Text, Tokenizer, environment, progress_bar, refuse_patched, resolve_model, windows
+from .report import PAPER_MEAN_GATES, Report, register_report, variants_table
 
 
 def _check_destinations(model, named, args, save_patch, save_model, push_to_hub) -> None:
@@ -129,3 +131,67 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
             push_patch(folder, push_to_hub, private=hub_private)
             report.data["pushed_to"] = push_to_hub
     return report
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def training_card(report: dict) -> str:
+    """The model card's training paragraph of a calibrate (or heal) report."""
+    t = report["training"]
+    return (f"Text: {json.dumps(report['text'])}. {report['train_windows']} training windows of {report['seq_len']} "
+            f"tokens; {t['max_steps']} optimizer steps, learning rate {t['learning_rate']}, batch "
+            f"{t['batch_size']} x {t['grad_accum']} accumulation x {t['world_size']} processes; bf16 {t['bf16']}; "
+            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}.")
+
+
+def calibrate_markdown(report: dict) -> str:
+    s = report["gate_summary"]
+    gates = ", ".join(f"{int(k)}: {v:.3f}" for k, v in report["gates"].items())
+    lines = [
+        f"# hf-tangent calibrate: {report['model']}",
+        "",
+        f"{report['train_windows']} calibration windows, {report['training']['max_steps']} steps, "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s on "
+        f"{report['device']}.",
+        "",
+        "## Gate profile",
+        "",
+        f"mean gate **{s['mean']:.3f}**, min {s['min']:.3f} (layer {s['argmin']}) .. max {s['max']:.3f} "
+        f"(layer {s['argmax']}). Paper: {PAPER_MEAN_GATES}.",
+        "",
+        f"Gates by layer: {gates}",
+        "",
+        "![gate profile](gate_profile.png)",
+        "",
+        "## Held-out loss",
+        calibrate_results_markdown(report),
+    ]
+    return "\n".join(lines)
+
+
+def calibrate_results_markdown(report: dict) -> str:
+    """The held-out results of a calibrate report (its report.md section and the model card's)."""
+    h, c = report["heldout"], report["calibration"]
+    lines = [
+        "",
+        "| | NLL | perplexity |",
+        "|---|---:|---:|",
+        f"| natural (gates = 1) | {h['natural_nll']:.4f} | {h['natural_perplexity']:.3f} |",
+        f"| calibrated gates | {h['gated_nll']:.4f} | {h['gated_perplexity']:.3f} |",
+        f"| **Delta L** | **{h['delta_nll']:+.4f}** | |",
+        "",
+        f"Calibration windows ({c['windows']}): NLL {c['natural_nll']:.4f} natural -> {c['gated_nll']:.4f} gated.",
+    ]
+    if len(report["update_variants"]) > 1:
+        lines += ["", "## Update rules, untrained, every layer", "", variants_table(report["update_variants"])]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_calibrate(data, folder):
+    curve = [tuple(point) for point in data["loss_curve"]]
+    return [plots.gate_profile({int(k): v for k, v in data["gates"].items()}, os.path.join(folder, "gate_profile.png"),
+                               title=f"Calibrated FFN gates: {data['model']}"),
+            plots.loss_curves({"gates": [curve]}, os.path.join(folder, "loss_curve.png"), title="Calibration loss")]
+
+
+register_report('calibrate', calibrate_markdown, _plot_calibrate)

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .._version import __version__
-from ..data import TextSource, pack_windows
-from ..models import load_model
-from ..patching import get_config, preserved, require_model
+from ..artifacts.models import load_model
+from ..core._version import __version__
+from ..core.patching import get_config, preserved, require_model
 from ..ranges import TEXT_RANGES, check_values
+from ..training.data import TextSource, pack_windows
 
 # The types of the options every recipe function shares (ranges.py checks them before any work).
 Model = str | torch.nn.Module  # a model name (offline name, folder, hub id) or a loaded model

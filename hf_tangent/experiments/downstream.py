@@ -9,13 +9,16 @@ import os
 
 import torch
 
-from ..evaluation import update_variants
-from ..harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
-from ..harness.tasks import TASK_VERSION, TASKS
-from ..patching import get_config, patch, without_patch
+from ..analysis.evaluation import update_variants
+from ..artifacts.loading import from_pretrained
+from ..artifacts.patch_repo import is_patch_repo, read_record
+from ..core.patching import get_config, patch, without_patch
+from ..integrations.harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
+from ..integrations.harness.tasks import TASK_VERSION, TASKS
 from ..ranges import DType, at_least, validated
-from ..reports import Report
+from . import plots
 from .common import Clock, Model, Tokenizer, entry_point, environment, resolve_model
+from .report import Report, register_report
 
 LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
 
@@ -78,9 +81,6 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
                 patch(model, known[variant])
             run(variant, model.eval())
     for folder in model_folders:
-        from ..adapters.repo import is_patch_repo
-        from ..loading import from_pretrained
-
         merge = {"merge": True} if is_patch_repo(folder) else {}  # LoRA of a patch repo merged; a full folder has none
         loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
         run(str(folder), loaded.eval())
@@ -122,8 +122,6 @@ def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
     the tokenizer, and a folder that ships a tokenizer must ship the same one. Checked before any
     variant is scored, so that a wrong folder never ends a run after the others have run."""
     from transformers import AutoTokenizer
-
-    from ..adapters.repo import is_patch_repo, read_record
 
     needed = len(tokenizer)
     own = model.get_input_embeddings().num_embeddings
@@ -230,3 +228,42 @@ def _unpaired(paired: dict, tasks: list[str]) -> dict[str, str]:
             notes[task] = ("no per-sample metric to pair (acc, acc_norm, or a rolling task's log-likelihood) in "
                            "lm-eval's outputs for it or its subtasks; only lm-eval's own stderr")
     return notes
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def lm_eval_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent lm-eval: {report['model']}", "",
+             f"EleutherAI's LM Evaluation Harness on the model in memory; {report['limit'] or 'all'} items per task, "
+             f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
+             f"paired bootstrap interval ({report['bootstrap']} resamples); {report['seconds']} s."]
+    for task in report["tasks"]:
+        source = report.get("task_source", {}).get(task)
+        lines += ["", f"## {task}" + (f" ({source})" if source else ""), ""]
+        metrics = sorted({k for r in report["results"].values() for k in r.get(task, {}) if "stderr" not in k
+                          and k != "sample_len"})
+        header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in ("acc", "acc_norm")
+                                         if any(m in p.get(task, {}) for p in report["paired"].values())]]
+        lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+        for variant in report["variants"]:
+            values = report["results"][variant].get(task, {})
+            cells = []
+            for m in metrics:
+                stderr = values.get(m.replace(",", "_stderr,", 1))
+                cells.append("-" if m not in values else f"{values[m]:.4f}" + (
+                    f" +- {stderr:.4f}" if isinstance(stderr, float) else ""))
+            for m in header[1 + len(metrics):]:
+                key = m.split(" ")[1]
+                p = report["paired"].get(variant, {}).get(task, {}).get(key)
+                cells.append("-" if p is None else f"{p['diff']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]")
+            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "![paired differences](lm_eval_differences.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_lm_eval(data, folder):
+    return [plots.paired_differences(data["paired"], data["tasks"], os.path.join(folder, "lm_eval_differences.png"),
+                                     f"{data['model']}: accuracy against the unpatched model")]
+
+
+register_report('lm-eval', lm_eval_markdown, _plot_lm_eval)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ..data import TextSource
-from ..evaluation import evaluate_variants, perplexity, update_variants
-from ..patching import get_config, without_patch
+from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
+from ..core.patching import get_config, without_patch
 from ..ranges import DType, validated
-from ..reports import Report
+from ..training.data import TextSource
 from .common import Clock, Model, Text, Tokenizer, entry_point, environment, progress_bar, resolve_model, windows
+from .report import Report, register_report, variants_table
 
 
 @validated(empty={"rules": "only the unpatched model (and a loaded patch, as it is)"})
@@ -52,3 +52,20 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
         "tokens_per_variant": rows[0]["tokens"], "seconds": clock.seconds,
         **environment(device, next(model.parameters()).dtype, seed), "rows": rows,
     })
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def eval_markdown(report: dict) -> str:
+    return "\n".join([
+        f"# hf-tangent eval: {report['model']}",
+        "",
+        f"Text: {report['text']}; {report['windows']} windows x {report['seq_len']} tokens "
+        f"({report['tokens_per_variant']} predicted tokens per variant); dtype {report['dtype']}, "
+        f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained.",
+        "",
+        variants_table(report["rows"]),
+    ]) + "\n"
+
+
+register_report('eval', eval_markdown)

@@ -10,18 +10,19 @@ import os
 import statistics
 from typing import ClassVar
 
-from ..adapters.repo import patch_record, write_patch_repo
-from ..data import TextSource
-from ..destinations import check_destination
-from ..evaluation import perplexity, update_variants
-from ..hub import save_hub_folder
-from ..patching import patch
+from ..analysis.evaluation import perplexity, update_variants
+from ..analysis.stats import paired_summary
+from ..artifacts.hub import save_hub_folder
+from ..artifacts.patch_repo import patch_record, write_patch_repo
+from ..core.destinations import check_destination
+from ..core.patching import patch
+from ..core.wrappers import peft_model_of
 from ..ranges import DType, Range, at_least, check_ranges, validated
-from ..reports import Report
-from ..stats import paired_summary
-from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
-from ..wrappers import peft_model_of
+from ..training.data import TextSource
+from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from . import plots
 from .common import Clock, Model, Text, Tokenizer, entry_point, environment, resolve_model, windows
+from .report import Report, register_report
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
 
@@ -144,3 +145,37 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
         "summary": finetune_summary(runs), "runs": runs, "seconds": clock.seconds,
         **environment(args.device.type, dtype, args.seed),
     })
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def finetune_markdown(report: dict) -> str:
+    t = report["training"]
+    lines = [
+        f"# hf-tangent finetune: {report['model']} ({report['method']})",
+        "",
+        f"Same data order, steps ({t['max_steps']}), optimizer (AdamW, lr {t['learning_rate']}, {t['lr_scheduler']}) "
+        f"for every variant; seeds {report['seeds']}; {report['train_windows']} training and "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
+        "",
+        "| variant | seeds | held-out NLL (mean +- sd) | perplexity | delta NLL vs unpatched | delta perplexity | p (paired permutation) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in report["summary"]:
+        p = "" if s["variant"] == "unpatched" else f"{s['p_value']:.3f}"
+        lines.append(f"| {s['variant']} | {s['seeds']} | {s['nll_mean']:.4f} +- {s['nll_std']:.4f} | "
+                     f"{s['perplexity_mean']:.3f} | {s['delta_nll_mean']:+.4f} | {s['delta_perplexity_mean']:+.3f} | {p} |")
+    lines += ["", "With n seeds the exact sign-flip test cannot go below p = 2 / 2^n.", "",
+              "![training loss](loss_curves.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_finetune(data, folder):
+    curves = {}
+    for run in data["runs"]:
+        curves.setdefault(run["variant"], []).append([tuple(p) for p in run["loss_curve"]])
+    return [plots.loss_curves(curves, os.path.join(folder, "loss_curves.png"),
+                              title=f"{data['method']} fine-tuning, {data['model']}")]
+
+
+register_report('finetune', finetune_markdown, _plot_finetune)

@@ -11,9 +11,8 @@ from collections import Counter
 
 import torch
 
-from ..ablation import VARIANTS as ABLATIONS
-from ..discovery import decoder_layers
-from ..geometry import (
+from ..analysis.ablation import VARIANTS as ABLATIONS
+from ..analysis.geometry import (
     FIELDS,
     GAIN_REGIMES,
     PROTOCOLS,
@@ -25,12 +24,14 @@ from ..geometry import (
     label_counts,
     pressure_diversity,
 )
-from ..parallel import sensitivity
+from ..analysis.parallel import sensitivity
+from ..analysis.stats import spearman
+from ..core.discovery import decoder_layers
 from ..ranges import LAYER_INDICES, DType, Range, at_least, validated
-from ..reports import Report
-from ..stats import spearman
+from . import plots
 from .analysis import _setup
 from .common import Clock, Model, Text, Tokenizer, entry_point, progress_bar
+from .report import Report, register_report
 
 PRESSURE_VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 CRITICAL_RANGES = {"random_starts": at_least(0), "token_starts": at_least(0), "steps": at_least(1),
@@ -255,3 +256,158 @@ def _ablation_costs(path: str) -> dict[str, dict[int, float]]:
     if not out:
         raise ValueError(f"--ablation-report {path}: no per-layer rows; run `hf-tangent ablate --layerwise`.")
     return out
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def critical_markdown(report: dict) -> str:
+    fields, refined = report["fields"], report.get("protocol", "paper") == "refined"
+    if refined:
+        what = (f"critical directions = roots of g = P_u F refined in float64 to a zero score < {report['tol']:g} "
+                f"(at most {report['max_iter']} Newton steps, up to 4x that for a row already below 1e-4; 'stalled': the "
+                "damped step no longer lowers the residual, 'unfinished': the step cap reached) from every start whose search (Adam, {report['steps']} steps) "
+                f"ended below {report['threshold']:g}; distinct by angle (u and -u one line for an odd field); typed by "
+                "the signs of the tangent spectrum (flagged where the smallest |Re lambda| is at rounding level)")
+    else:
+        what = (f"the paper's protocol: candidates = zero score ||P_u F|| / ||F|| < {report['threshold']} after "
+                f"{report['steps']} Adam steps (near-invariant directions, not roots); a real part counts as zero below "
+                f"{report['rel_tol']} x the spectral radius")
+    lines = [f"# hf-tangent critical: {report['model']} ({report.get('protocol', 'paper')} protocol)", "",
+             f"Reduced fields per layer ({report['composition']}); {what}; from {report['random_starts']} random and "
+             f"{report['token_starts']} token starts per layer ({report['windows']} windows x {report['seq_len']} tokens "
+             f"of {report['text']}); {report['seconds']} s. Directions: `{report.get('directions_file', '-')}`.", ""]
+    header = ["field", "path", "starts", "below threshold", "refined", "converged", "stalled", "unfinished", "roots",
+              "attractor",
+              "saddle", "repeller", "neutral", "flagged", "mean unstable share"] if refined else [
+              "field", "starts", "converged", "distinct candidates", "attractor", "saddle", "repeller", "neutral",
+              "mean unstable share"]
+    lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for f in fields:
+        t = report["totals"][f]
+        n = t.get("roots", t.get("candidates", 0))
+        pct = lambda k, t=t, n=n: f"{t['counts'].get(k, 0)} ({100 * t['counts'].get(k, 0) / n:.1f}%)" if n else "0"  # noqa: E731
+        share = "-" if t.get("mean_unstable_share") is None else f"{t['mean_unstable_share']:.3f}"
+        paths = sorted({r["fields"][f]["path"].split(" (")[0] for r in report["layers"]})
+        cells = ([f, "/".join(paths), t["starts"], t["below_threshold"], t["refined"], t["converged"], t["stalled"],
+                  t.get("unfinished", "-"), n]
+                 if refined else [f, t["starts"], t["converged"], n])
+        cells += [pct("attractor"), pct("saddle"), pct("repeller"), pct("neutral")]
+        cells += [t["flagged"], share] if refined else [share]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "Per layer (roots: attractor / saddle / repeller / neutral; then the search's converged / refined):"
+              if refined else "Per layer (candidates: attractor / saddle / repeller / neutral):", "",
+              "| layer | " + " | ".join(fields) + " | s |", "|---:" + "|---" * len(fields) + "|---:|"]
+    for r in report["layers"]:
+        cells = []
+        for f in fields:
+            x, c = r["fields"][f], r["fields"][f]["counts"]
+            cell = f"{c['attractor']}/{c['saddle']}/{c['repeller']}/{c['neutral']}"
+            if refined:
+                cell += f" ({x.get('converged', '-')}/{x.get('refined', '-')})" if x["path"] == "search" else " (exact)"
+            cells.append(cell)
+        lines.append(f"| {r['layer']} | " + " | ".join(cells) + f" | {r['seconds']} |")
+    if refined:
+        lines += _critical_structure(report)
+    lines += ["", "![eigenvalues](critical_eigenvalues.png)", "", "![labels](critical_labels.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _critical_structure(report: dict) -> list[str]:
+    """The OV map's rank and kernel (what forces the OV spectra), the search's check against the exact
+    OV roots, and the common directions of F_A and F_Phi with the eigenvalue law."""
+    lines = []
+    structures = [(r["layer"], r["ov_structure"]) for r in report["layers"] if r.get("ov_structure")]
+    if structures:
+        lines += ["", "OV map per layer (where the OV field is linear on the sphere, F_A(u) = M u): rank, kernel "
+                  "dimension (F_A = 0 there: a degenerate set, not points), real eigenvalues, isolated roots; at an OV "
+                  "root the kernel makes that many tangent eigenvalues equal to -rho exactly, so its type is forced by "
+                  "the sign of rho unless the other eigenvalues decide it.", "",
+                  "| layer | rank | kernel | real eigenvalues | isolated roots | other degenerate sets | search roots "
+                  "matched / exact found |", "|---:|---:|---:|---:|---:|---:|---|"]
+        for layer, s in structures:
+            check = next(r["fields"]["attention"].get("check") for r in report["layers"] if r["layer"] == layer) \
+                if "attention" in report["fields"] else None
+            matched = "-" if not check else f"{check['matched']} of {check['search_roots']} / {check['exact_found']} of " \
+                f"{check['exact']}"
+            others = [f"{d['dimension']}-dim (eigenvalue {d['eigenvalue']:.3g})" for d in s["degenerate"] if not d["kernel"]]
+            lines.append(f"| {layer} | {s['rank']} | {s['kernel_dimension']} | {s['real_eigenvalues']} | "
+                         f"{s['isolated_roots']} | {', '.join(others) or '-'} | {matched} |")
+    commons = [(r["layer"], r["common"]) for r in report["layers"] if r.get("common")]
+    if commons:
+        total = sum(c["common"] for _, c in commons)
+        best = [c.get("best_ffn_score_at_ov_roots") for _, c in commons if c.get("best_ffn_score_at_ov_roots") is not None]
+        lines += ["", f"Common critical directions of F_A and F_Phi (where the eigenvalue law lambda = lambda_A + "
+                  f"lambda_Phi can be tested): {total} in {len(commons)} layers" + (
+                      f"; the FFN's smallest zero score at an OV root is {min(best):.3g}" if best else "") + "."]
+        laws = [law for _, c in commons for law in c["law"]]
+        if laws:
+            lines.append(f"At them, J_A's eigenvectors leave a relative off-diagonal part of up to "
+                         f"{max(x['offdiagonal'] for x in laws):.3g} in J_Phi, and the largest gap between J's eigenvalues "
+                         f"and lambda_A + lambda_Phi is {max(x['largest_gap'] for x in laws):.3g}.")
+    return lines
+
+
+def _plot_critical(data, folder):
+    best = {}
+    for f in data["fields"]:
+        best[f] = [min(r["fields"][f]["roots"], key=lambda x: x["score"])["eigenvalues"]
+                   for r in data["layers"] if r["fields"][f]["roots"]]
+    counts = {f: {r["layer"]: r["fields"][f]["counts"] for r in data["layers"]} for f in data["fields"]}
+    title = "roots" if data.get("protocol") == "refined" else "candidates"
+    return [plots.critical_eigenvalues(best, os.path.join(folder, "critical_eigenvalues.png"),
+                                       f"{data['model']}: tangent-Jacobian spectra, best {title[:-1]} per layer"),
+            plots.label_bars(counts, os.path.join(folder, "critical_labels.png"), f"{data['model']}: {title} by type")]
+
+
+def pressure_markdown(report: dict) -> str:
+    lines = [f"# hf-tangent pressure: {report['model']}", "",
+             f"Spherical diversity D = 1 - ||mean u||^2 over each sequence, with every attention's logit scale "
+             f"multiplied by the factor (1: the model; 0: a uniform average over the visible tokens), per FFN variant "
+             f"in all layers; {report['windows']} windows x {report['seq_len']} tokens of {report['text']}; means over "
+             f"layers {report['layers'][0]}..{report['layers'][-1]}; {report['seconds']} s.", "",
+             "| factor | variant | D after attention | D after FFN | FFN lift | D at the output |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in report["summary"]:
+        lines.append(f"| {r['factor']:g} | {r['variant']} | {r['after_attention']:.4f} | {r['after_ffn']:.4f} | "
+                     f"{r['ffn_lift']:+.4f} | {r['output']:.4f} |")
+    return "\n".join(lines + ["", "![pressure](pressure_curves.png)"]) + "\n"
+
+
+def ffn_jacobian_markdown(report: dict) -> str:
+    ablations = sorted({k.removeprefix("ablation_") for r in report["layers"] for k in r if k.startswith("ablation_")})
+    lines = [f"# hf-tangent ffn-jacobian: {report['model']}", "",
+             f"{report['tokens']} sampled tokens per layer from {report['windows']} windows x {report['seq_len']} tokens "
+             f"of {report['text']}. J = r P_u DPhi(x) P_u (the FFN's response per radian of rotation of its input); "
+             "radial fraction ||u u^T DPhi P_u||_F^2 / ||DPhi P_u||_F^2; activation gain sigma'(z): off "
+             f"{report['regimes']['off']}, linear {report['regimes']['linear']}; top-{report['top_k']} share: the "
+             f"top-{report['top_k']} hidden units' share of P_u y; {report['seconds']} s.", "",
+             "| layer | spectral norm of J | norm of Phi(x) | eff. rank | radial frac. | gain off | gain linear | gain transition | top share | "
+             "top units (count) | C_l |" + "".join(f" {a} |" for a in ablations),
+             "|---:" * (11 + len(ablations)) + "|"]
+    for r in report["layers"]:
+        units = ", ".join(f"{u} ({n})" for u, n in r["top_units"][:3])
+        lines.append(f"| {r['layer']} | {r['spectral_norm']:.3g} | {r['output_norm']:.3g} | {r['effective_rank']:.1f} | {r['radial_fraction']:.3f} | "
+                     f"{r['gain']['off']:.3f} | {r['gain']['linear']:.3f} | {r['gain']['transition']:.3f} | "
+                     f"{r['top_share']:.3f} | {units} | " + (f"{r['c_l']:.3f}" if r["c_l"] is not None else "-") + " |"
+                     + "".join(f" {r['ablation_' + a]:+.4f} |" if r.get("ablation_" + a) is not None else " - |"
+                               for a in ablations))
+    lines += ["", "Spearman rank correlation across layers:", "", "| figure | " + " | ".join(
+        next(iter(report["spearman"].values())).keys()) + " |", "|---" * (1 + len(next(iter(report["spearman"].values())))) + "|"]
+    for figure, row in report["spearman"].items():
+        lines.append(f"| {figure} | " + " | ".join("-" if v is None else f"{v:+.2f}" for v in row.values()) + " |")
+    return "\n".join(lines + ["", "![gain](gain_histograms.png)"]) + "\n"
+
+
+def _plot_pressure(data, folder):
+    return [plots.pressure_curves(data["summary"], os.path.join(folder, "pressure_curves.png"),
+                                  f"{data['model']}: diversity under pressure")]
+
+
+def _plot_ffn_jacobian(data, folder):
+    return [plots.gain_histograms(data["layers"], os.path.join(folder, "gain_histograms.png"),
+                                  f"{data['model']}: activation gain")]
+
+
+register_report('critical', critical_markdown, _plot_critical)
+register_report('pressure', pressure_markdown, _plot_pressure)
+register_report('ffn-jacobian', ffn_jacobian_markdown, _plot_ffn_jacobian)

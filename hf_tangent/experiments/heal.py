@@ -11,22 +11,23 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..adapters.repo import patch_record, write_patch_repo
-from ..config import TangentConfig
-from ..data import TextSource
-from ..destinations import check_destination
-from ..discovery import decoder_layers
-from ..evaluation import perplexity
-from ..healing import HomotopyCallback, heal_trainer_class, held_out_kl
-from ..hub import save_hub_folder
-from ..patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
+from ..analysis.evaluation import perplexity
+from ..analysis.stats import paired_permutation_test
+from ..artifacts.hub import save_hub_folder
+from ..artifacts.patch_repo import patch_record, write_patch_repo
+from ..core.config import TangentConfig
+from ..core.destinations import check_destination
+from ..core.discovery import decoder_layers
+from ..core.patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
+from ..core.wrappers import peft_model_of, unwrap
 from ..ranges import DType, Range, at_least, check_ranges, validated
-from ..reports import Report
-from ..stats import paired_permutation_test
-from ..training import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
-from ..wrappers import peft_model_of, unwrap
+from ..training.data import TextSource
+from ..training.healing import HomotopyCallback, heal_trainer_class, held_out_kl
+from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
+from . import plots
 from .common import Clock, Model, Text, Tokenizer, entry_point, environment, refuse_patched, resolve_model, windows
 from .finetune import LoraSettings
+from .report import Report, register_report
 
 SAMPLE_PROMPT = "It is a truth universally acknowledged, that"
 
@@ -205,3 +206,42 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
             "p_value": paired_permutation_test(gains) if len(runs) > 1 else None},
         "runs": runs, "seconds": clock.seconds, **environment(args.device.type, dtype, args.seed),
     })
+
+
+# The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def heal_markdown(report: dict) -> str:
+    t, st, s = report["training"], report["settings"], report["summary"]
+    lines = [
+        f"# hf-tangent heal: {report['model']} ({report['patch']['update']}, {st['method']})",
+        "",
+        f"Distillation from the unpatched model: KL at T={st['temperature']}, LM weight {st['lm_weight']}, "
+        f"{st['schedule']} homotopy over {st['homotopy_fraction']:.0%} of {t['max_steps']} steps"
+        f"{'' if st.get('stages', 1) == 1 else ', progressive in ' + str(st['stages']) + ' layer groups'} (AdamW, lr "
+        f"{t['learning_rate']}, {t['lr_scheduler']}); seeds {report['seeds']}; {report['train_windows']} training and "
+        f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
+        "",
+        f"Unpatched held-out NLL {report['unpatched_nll']:.4f}.",
+        "",
+        "| seed | delta NLL untrained | delta NLL healed | KL untrained | KL healed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        lines.append(f"| {r['seed']} | {r['untrained']['nll'] - report['unpatched_nll']:+.4f} | "
+                     f"{r['healed']['nll'] - report['unpatched_nll']:+.4f} | {r['untrained']['kl']:.4f} | {r['healed']['kl']:.4f} |")
+    p = "" if s["p_value"] is None else f" (paired sign-flip p = {s['p_value']:.3f})"
+    lines += [f"| mean | {s['untrained_delta_nll']:+.4f} | {s['healed_delta_nll']:+.4f}{p} | {s['untrained_kl']:.4f} | "
+              f"{s['healed_kl']:.4f} |", "", f"Sample (greedy, seed {report['runs'][0]['seed']}), prompt: "
+              f"\"{report['prompt']}\"", "",
+              f"- untrained patch: \"{report['runs'][0]['untrained']['sample']}\"",
+              f"- healed: \"{report['runs'][0]['healed']['sample']}\"", "", "![heal loss](loss_curves.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_heal(data, folder):
+    curves = {"KL (heal)": [[tuple(p) for p in run["loss_curve"]] for run in data["runs"]]}
+    return [plots.loss_curves(curves, os.path.join(folder, "loss_curves.png"),
+                              title=f"heal {data['patch']['update']}, {data['model']}")]
+
+
+register_report('heal', heal_markdown, _plot_heal)

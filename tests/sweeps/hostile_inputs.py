@@ -161,11 +161,11 @@ def patch_cases():
     import architectures
 
     def misregistered():  # gemma3 with a Llama spec: the update would land on the attention output's norm
-        ht.register_architecture(dataclasses.replace(ht.registry.get_spec("llama"), model_type="gemma3_text"))
+        ht.register_architecture(dataclasses.replace(ht.core.registry.get_spec("llama"), model_type="gemma3_text"))
         try:
             ht.patch(architectures.build("gemma3_text"), ht.TangentConfig(update="projected"))
         finally:
-            ht.registry._REGISTRY.pop("gemma3_text")
+            ht.core.registry._REGISTRY.pop("gemma3_text")
 
     expect_error("patch", "a registry entry with the wrong names (Llama names on Gemma 3)", misregistered, "did not verify")
 
@@ -228,14 +228,14 @@ def behaviour_cases():
 
     def zero_state():
         x, y = torch.zeros(2, 8), torch.randn(2, 8)
-        return torch.equal(ht.fused.fused_residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8)) and \
-            torch.equal(ht.rules.residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8))
+        return torch.equal(ht.core.fused.fused_residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8)) and \
+            torch.equal(ht.core.rules.residual_delta(x, y, "retract", p=2.0), torch.zeros(2, 8))
 
     def fp16_overflow():
         x = torch.randn(4, 64) * 1000
         x[:, 0] = 40000.0
         y = torch.randn(4, 64) * 16000
-        return torch.isfinite(x.half() + ht.rules.residual_delta(x.half(), y.half(), "retract", p=math.inf)).all().item()
+        return torch.isfinite(x.half() + ht.core.rules.residual_delta(x.half(), y.half(), "retract", p=math.inf)).all().item()
 
     def atomic_repatch():
         model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True))
@@ -594,7 +594,7 @@ def adapters_cases(tmp: Path, folder: Path):
     clear error; an existing folder survives a failed save."""
     from transformers import LlamaForCausalLM
 
-    from hf_tangent.adapters.repo import export_full_folder
+    from hf_tangent.artifacts.patch_repo import export_full_folder
 
     def gated():
         model = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
@@ -668,8 +668,8 @@ def artifacts_cases(tmp: Path, folder: Path):
 
     from transformers import LlamaForCausalLM
 
-    from hf_tangent import destinations
-    from hf_tangent.destinations import DestinationError
+    from hf_tangent.core import destinations
+    from hf_tangent.core.destinations import DestinationError
 
     def gated(value=0.5, **kwargs):
         model = ht.patch(LlamaForCausalLM.from_pretrained(folder, **kwargs).eval(),
@@ -814,7 +814,7 @@ def entries_cases(tmp: Path, folder: Path):
     """Issue 32's examples that are not one number: wrong types, and checks made before any work."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from hf_tangent.reports import Report
+    from hf_tangent.experiments.report import Report
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     text = ht.TextSource(text_files=(str(AUSTEN / "emma.txt"),), calibration_files=(str(AUSTEN / "prideprejudice.txt"),))
@@ -876,7 +876,7 @@ def tiny_model_folder(tmp: Path) -> Path:
     """A random tiny Llama with the real SmolLM2 tokenizer, saved as a plain transformers folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_tangent.models import load_tokenizer
+    from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)

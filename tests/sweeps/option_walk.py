@@ -32,8 +32,8 @@ from pathlib import Path
 
 import hf_tangent as ht
 from hf_tangent import cli
+from hf_tangent.experiments.report import Report
 from hf_tangent.ranges import Option, RangeError, listed, matches, numeric, options_of, shown, unannotated
-from hf_tangent.reports import Report
 
 MISSING_MODEL = "/nonexistent/hf_tangent_option_walk_model"
 NUMBER_PROBES = (0, -1, math.nan, math.inf, -math.inf, 10**400, "1")
@@ -332,7 +332,7 @@ def _changed_case(fname, function, name, cls, field, value) -> Case:
 def _override_cases() -> list[Case]:
     """run_study(overrides={key: value}): each budget key probed like an option of its type and range
     (a list is never a number, nor a string)."""
-    from hf_tangent.studies import BUDGET_RANGES
+    from hf_tangent.experiments.studies import BUDGET_RANGES
 
     out = []
     for key, limit in BUDGET_RANGES.items():

@@ -1,0 +1,67 @@
+"""Loading models by name: the offline SmolLM2-135M default, offline Gemma-3-270M (checkpoints.py), local
+folders (patched folders and patch repos are loaded patched), hub ids."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..core.registry import CONFIG_KEY
+from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
+    DEFAULT_MODEL,
+    OFFLINE_MODELS,
+    OFFLINE_PACKAGES,
+    cache_dir,
+    gemma3_folder,
+    load_offline,
+    load_tokenizer,
+    offline_folder,
+    offline_package,
+    smollm2_folder,
+)
+from .loading import from_pretrained, is_patch_repo, read_record
+
+
+def _is_patched_folder(name: str) -> bool:
+    try:
+        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+            return CONFIG_KEY in json.load(f)
+    except FileNotFoundError:
+        return False
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
+               **kwargs):
+    """(model, tokenizer) for an offline name, a local folder (patched folders and patch repos are loaded
+    patched) or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    kwargs = {"dtype": dtype or torch.float32, **kwargs}
+    if name in OFFLINE_MODELS:
+        model = load_offline(name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(offline_folder(name))
+    else:
+        source = name
+        if os.path.isdir(name) and is_patch_repo(name):  # the tokenizer is the base's
+            model = from_pretrained(name, **kwargs)
+            base = read_record(name)["base"]["name_or_path"]
+            source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
+        elif os.path.isdir(name):
+            model = from_pretrained(name, **kwargs) if _is_patched_folder(name) else \
+                AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            except OSError as err:
+                raise RuntimeError(
+                    f"hf_tangent: could not load model '{name}': it is not an offline name "
+                    f"({', '.join(OFFLINE_MODELS)}), not a local folder, and the hub could not serve it ({err})."
+                ) from err
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if device:
+        model.to(device)
+    return model.eval(), tokenizer

@@ -1,0 +1,264 @@
+"""Where hf_tangent may write a folder, and how it replaces one.
+
+A writer (a patch repo, a complete patched folder, an export) writes into a new or empty folder,
+or replaces an artifact that hf_tangent wrote there before, whole; nothing else. Refused, with
+the folder left byte-identical: `""`, `~`, the current folder and every folder above it, the home
+folder, a symlink, a file in the way, a protected folder (the model's own base, the source being
+read) or a folder that holds one, and a non-empty folder that is not an hf_tangent artifact or
+holds entries an hf_tangent artifact never has (a user's files are never deleted).
+
+A replacement is staged next to the target, the old folder renamed aside, the new one moved in,
+and the old one removed only after that: a failure at any point leaves the old content as it was,
+and no file of the earlier save survives (old shards, an old index, a record of the other kind).
+
+Standard library only: this module ships in every patched folder's remote code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo (artifacts/patch_repo.py)
+RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.json (patching.CONFIG_KEY)
+# What a patched folder carries as remote code: the modules of this folder (the core, listed, not a
+# hand-kept list; in a patched folder this module sits among the same files, so the listing agrees) and
+# the two files hub.py generates. hub.py copies them; transformers copies them again into its module cache.
+REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
+
+
+def core_modules() -> tuple[str, ...]:
+    """The core's module files (`config.py`, `patching.py`, ...): every `*.py` beside this one but
+    the package's `__init__.py` and the generated files."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tuple(sorted(name for name in os.listdir(here) if name.endswith(".py") and name != "__init__.py"
+                        and name not in REMOTE_GENERATED_FILES))
+
+
+REMOTE_CODE_MODULES = (*core_modules(), *REMOTE_GENERATED_FILES)
+
+# What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.
+_ARTIFACT_FILES = {PATCH_RECORD_FILE, "gates.safetensors", "config.json", "generation_config.json",
+                   "model.safetensors", "model.safetensors.index.json", ".gitattributes", *REMOTE_CODE_MODULES}
+_ARTIFACT_FOLDERS = {"adapter": {"adapter_config.json", "adapter_model.safetensors", "README.md"},
+                     "__pycache__": None}  # None: any *.pyc
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+# What other writers put beside a model by convention (tokenizer.save_pretrained, a model card, the
+# Trainer's state in a checkpoint folder): kept as they are, carried into the replacement.
+_NEIGHBOURS = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "README.md",
+               "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin"}
+_RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+class DestinationError(ValueError):
+    """A folder hf_tangent refuses to write to; the message names it and what is accepted."""
+
+
+def artifact_kind(folder: str | os.PathLike) -> str | None:
+    """"patch repo" or "patched folder" when `folder` is an artifact hf_tangent wrote (known by its
+    record), else None. A patch record beside a model that is not a patched one is not ours."""
+    folder = Path(folder)
+    try:
+        with open(folder / "config.json", encoding="utf-8") as f:
+            data = json.load(f)
+        patched = isinstance(data, dict) and isinstance(data.get(RECORD_KEY), dict)
+    except (OSError, ValueError):
+        patched = False
+    if patched:
+        return "patched folder"
+    if (folder / PATCH_RECORD_FILE).is_file() and not any((folder / name).exists() for name in _MODEL_FILES):
+        return "patch repo"
+    return None
+
+
+def _is_neighbour(name: str) -> bool:
+    return name in _NEIGHBOURS or bool(_RNG_STATE.fullmatch(name))
+
+
+def foreign_entries(folder: Path, kind: str | None) -> list[str]:
+    """The entries of `folder` that are neither part of an hf_tangent artifact (when it is one:
+    `kind`) nor files other writers put beside a model: what a replacement would delete."""
+    foreign = []
+    for entry in sorted(folder.iterdir()):
+        if _is_neighbour(entry.name) and entry.is_file():
+            continue
+        if kind is not None and entry.is_file() and not entry.is_symlink() and (
+                entry.name in _ARTIFACT_FILES or _SHARD.fullmatch(entry.name)):
+            continue
+        if kind is not None and entry.name in _ARTIFACT_FOLDERS and entry.is_dir() and not entry.is_symlink():
+            allowed = _ARTIFACT_FOLDERS[entry.name]
+            inner = [p for p in entry.rglob("*") if not (p.is_file() and p.parent == entry and (
+                p.name in allowed if allowed is not None else p.suffix == ".pyc"))]
+            foreign += [f"{entry.name}/{p.relative_to(entry)}" for p in inner]
+            continue
+        foreign.append(entry.name + ("/" if entry.is_dir() else ""))
+    return foreign
+
+
+def _plain_target(folder, writer: str) -> tuple[str, Path]:
+    """(the path as given, its absolute target) after the refusals every writer shares: not a path,
+    empty, `~`, a symlink, the current folder or one above it, the home folder."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"{writer}: the destination must be a folder path (str or os.PathLike), got "
+                        f"{type(folder).__name__}.")
+    text = os.fspath(folder)
+    if text.strip() == "":
+        raise DestinationError(f"{writer}: the destination is an empty path; name a new or empty folder.")
+    if text == "~" or text.startswith("~/"):
+        raise DestinationError(f"{writer}: {text!r} starts with '~', which is not expanded here; pass "
+                               "os.path.expanduser(path) or a path without it.")
+    path = Path(text)
+    if path.is_symlink():
+        raise DestinationError(f"{writer}: {text!r} is a symbolic link; name the folder itself (a replacement would "
+                               "break the link).")
+    target = path.resolve()
+    cwd = Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise DestinationError(f"{writer}: {text!r} is the current folder or a folder above it; name a new or empty "
+                               "folder for the output.")
+    if target == Path.home().resolve():
+        raise DestinationError(f"{writer}: {text!r} is the home folder; name a new or empty folder for the output.")
+    return text, target
+
+
+def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Path:
+    """The absolute target of a folder write, after every refusal above (DestinationError).
+
+    Args:
+        folder: where the caller will write (created if missing, replaced whole if an artifact).
+        protected: folders that must not be written over or contain the target's replacement
+            (the model's own base, the source being read); entries that are not folders are ignored.
+        writer: the caller's name for messages ("hf_tangent.save_patch").
+    """
+    text, target = _plain_target(folder, writer)
+    for other in protected:
+        if not other or not isinstance(other, (str, os.PathLike)) or not os.path.isdir(other):
+            continue
+        guarded = Path(other).resolve()
+        if target == guarded or target in guarded.parents:
+            raise DestinationError(f"{writer}: {text!r} " + ("is" if target == guarded else "holds")
+                                   + f" {guarded}, which this save reads from (the base model or the source); write "
+                                     "to another folder.")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DestinationError(f"{writer}: {text!r}: {parent} is a file, not a folder.")
+            break
+    if target.exists() and not target.is_dir():
+        raise DestinationError(f"{writer}: {text!r} is a file, not a folder; remove it or name another folder.")
+    if target.is_dir() and any(target.iterdir()):
+        kind = artifact_kind(target)
+        extra = foreign_entries(target, kind)
+        if extra and kind is None:
+            raise DestinationError(f"{writer}: {text!r} is a non-empty folder that hf_tangent did not write (it holds "
+                                   f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); hf_tangent writes "
+                                   "into a new or empty folder, or replaces a patch repo or patched folder it wrote.")
+        if extra:
+            raise DestinationError(f"{writer}: {text!r} is an hf_tangent {kind} that also holds files hf_tangent does "
+                                   f"not write ({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); replacing it "
+                                   "would delete them. Move them out, or write to another folder.")
+    return target
+
+
+@contextlib.contextmanager
+def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
+    """Yields an empty folder to write into; on a clean exit its content is `folder`'s (see the
+    module docstring). A new folder is staged next to the target and moved in; an empty one is
+    written in place (its mode, owner and mount stay; on failure it is emptied again); an artifact
+    of ours is replaced by a staged copy, the files other writers keep beside a model (tokenizer,
+    card, Trainer state) carried over. On any error `folder` is as it was."""
+    target = check_destination(folder, protected=protected, writer=writer)
+    if target.is_dir() and not any(target.iterdir()):
+        try:
+            yield target
+        except BaseException:
+            for entry in list(target.iterdir()):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            raise
+        return
+    existed = target.exists()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
+    try:
+        yield staging
+        check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
+        if existed:
+            staging.chmod(target.stat().st_mode & 0o7777)
+            for entry in target.iterdir():  # what other writers keep beside a model
+                if _is_neighbour(entry.name) and entry.is_file() and not (staging / entry.name).exists():
+                    shutil.copy2(entry, staging / entry.name)
+            aside = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, aside)
+            try:
+                os.replace(staging, target)
+            except BaseException:
+                os.replace(aside, target)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+            if aside.exists():
+                warnings.warn(f"{writer}: the previous content of {target} was replaced, but its old copy at {aside} "
+                              "could not be removed; delete it by hand.", stacklevel=3)
+        else:
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class AtomicSave:
+    """`save_pretrained` of a patched model (an instance attribute that patching sets and unpatching
+    removes): transformers' own save_pretrained, into a staging folder that then replaces the target
+    (`replacing`), so saving a patched model never writes over a user's files or its own base, and a
+    re-save leaves no file of the earlier one. A push (push_to_hub=True) and the ranks that write
+    nothing (is_main_process=False) only get the destination check."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        model = self.model
+        own = type(model).save_pretrained
+        writer = f"{type(model).__name__}.save_pretrained"
+        protected = [getattr(model.config, "_name_or_path", None)]
+        try:  # the arguments as transformers' own signature binds them (is_main_process may be positional)
+            bound = inspect.signature(own).bind(model, save_directory, *args, **kwargs).arguments
+        except TypeError:
+            return own(model, save_directory, *args, **kwargs)  # transformers' own error
+        flags = {**bound, **bound.get("kwargs", {})}
+        if not flags.get("is_main_process", True):  # this rank writes nothing
+            check_destination(save_directory, protected=protected, writer=writer)
+            return own(model, save_directory, *args, **kwargs)
+        if flags.get("push_to_hub") and "repo_id" not in flags:  # the repo is named after the folder, not the stage
+            kwargs["repo_id"] = Path(os.fspath(save_directory)).name
+        with replacing(save_directory, protected=protected, writer=writer) as staging:
+            return own(model, staging, *args, **kwargs)
+
+
+# What an hf_tangent run writes into its output folder: reports, plots, the directions file,
+# patch repos and complete folders, Trainer checkpoints and logs, per-run folders.
+_RUN_ENTRIES = re.compile(r"report\.(json|md)|[^/]+\.png|[^/]+\.safetensors|patch|model|runs|checkpoint-\d+|"
+                          r"samples|lm_eval|README\.md")
+
+
+def claim_run_folder(folder, *, writer: str = "hf_tangent") -> Path:
+    """A recipe's output folder (reports, plots, Trainer checkpoints, patch repos) is a new or empty
+    folder, or one that holds only what hf_tangent runs write (a rerun replaces the files of the
+    same names): refused like a destination above (DestinationError) otherwise. Creates nothing."""
+    text, target = _plain_target(folder, writer)
+    if not target.is_dir():
+        return check_destination(folder, writer=writer)
+    others = sorted(p.name for p in target.iterdir() if not _RUN_ENTRIES.fullmatch(p.name))
+    if others:
+        raise DestinationError(f"{writer}: {text!r} holds files no hf_tangent run writes "
+                               f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); the run would write "
+                               "report.json, report.md, plots and checkpoints beside them. Name a new or empty folder.")
+    return target

@@ -1,0 +1,122 @@
+"""Reports: what every experiment returns.
+
+A `Report` is JSON-able data plus its kind (the command that made it); `to_markdown()` and
+`plot(folder)` render it, `save(folder)` writes report.json, report.md and the plots, and
+`Report.load(path)` reads a saved one back, so a page regenerates from the kept JSON alone.
+
+Each experiment module renders its own kinds and registers them here (`register_report`); the
+package's __init__ imports every experiment module, so the table is whole before any Report exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.destinations import claim_run_folder
+
+# kind -> Markdown renderer / plot writer, filled by the experiment modules (register_report)
+MARKDOWN: dict[str, Callable[[dict], str]] = {}
+PLOTS: dict[str, Callable[[dict, str], list[str]]] = {}
+
+
+def register_report(kind: str, markdown: Callable[[dict], str],
+                    plot: Callable[[dict, str], list[str]] | None = None) -> None:
+    """Declare a report kind: its Markdown renderer and, if it has plots, the function writing them."""
+    if kind in MARKDOWN:
+        raise ValueError(f"report kind {kind!r} is registered twice.")
+    MARKDOWN[kind] = markdown
+    if plot is not None:
+        PLOTS[kind] = plot
+
+
+# Published values the pages quote beside ours (not measured here)
+PAPER_MEAN_GATES = "GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistral 1.009"
+
+
+@dataclass
+class Report:
+    """The result of one experiment (`kind`: eval, calibrate, finetune, diagnose, ablate,
+    sensitivity, parallel-sweep, study, heal, critical, pressure,
+    ffn-jacobian); `data` is what report.json holds."""
+
+    kind: str
+    data: dict
+    tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
+
+    def __post_init__(self):
+        if not isinstance(self.kind, str) or self.kind not in MARKDOWN:
+            raise ValueError(f"unknown report kind {self.kind!r}; accepted: {', '.join(MARKDOWN)}.")
+        if not isinstance(self.data, dict):
+            raise TypeError(f"Report data must be a dict (what report.json holds), got {type(self.data).__name__}.")
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    def to_markdown(self) -> str:
+        return MARKDOWN[self.kind](self.data)
+
+    def plot(self, folder: str | os.PathLike) -> list[str]:
+        """Write this report's plots (PNG) into `folder`; returns their paths."""
+        os.makedirs(folder, exist_ok=True)
+        return PLOTS.get(self.kind, lambda data, folder: [])(self.data, str(folder))
+
+    def save(self, folder: str | os.PathLike, *, echo: bool = False) -> Path:
+        """report.json, report.md and the plots in `folder` (a new or empty folder, or one holding
+        only what hf_tangent runs write: destinations.claim_run_folder; files of the same names are
+        replaced); `echo` also prints the Markdown."""
+        claim_run_folder(folder, writer="Report.save")
+        folder = Path(folder)
+        self.plot(folder)
+        (folder / "report.json").write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        if self.tensors is not None:
+            from safetensors.torch import save_file
+
+            save_file(self.tensors, str(folder / self.data["directions_file"]), metadata={"report": self.kind})
+        markdown = self.to_markdown()
+        (folder / "report.md").write_text(markdown, encoding="utf-8")
+        if echo:
+            print(markdown)
+            print(f"wrote {folder / 'report.json'} and report.md")
+        return folder
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Report:
+        """A saved report.json (its "command" or "study" field says which kind), checked whole: a
+        report that could not be rendered (a JSON list, a field missing) is refused here, not later."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Report.load expects the path of a report.json, got {type(path).__name__}.")
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable report.json ({err}).") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not an hf-tangent report: a JSON {type(data).__name__}, accepted: a JSON object "
+                             "with a 'command' field.")
+        kind = data.get("command") or ("study" if "study" in data else None)
+        if not isinstance(kind, str) or kind not in MARKDOWN:
+            raise ValueError(f"{path}: not an hf-tangent report (command={data.get('command')!r}; accepted: "
+                             f"{', '.join(MARKDOWN)}).")
+        try:
+            MARKDOWN[kind](data)
+        except KeyError as err:
+            raise ValueError(f"{path}: an incomplete {kind!r} report: field {err.args[0]!r} is missing.") from None
+        except (TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
+            raise ValueError(f"{path}: a damaged {kind!r} report ({type(err).__name__}: {err}).") from None
+        return cls(kind, data)
+
+
+def variants_table(rows: list[dict]) -> str:
+    lines = ["| variant | NLL | perplexity | delta NLL | delta perplexity |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['nll']:.4f} | {r['perplexity']:.3f} | {r['delta_nll']:+.4f} | "
+                     f"{r['delta_perplexity']:+.3f} |")
+    return "\n".join(lines)
+
+

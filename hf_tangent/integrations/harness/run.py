@@ -1,0 +1,77 @@
+"""Running lm-eval's HFLM on a model in memory, and reading its per-sample outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .tasks import task_folder
+
+INSTALL = "pip install 'hf_tangent[eval]'  (EleutherAI's lm-eval >= 0.4.13)"
+PAIRED_METRICS = ("acc", "acc_norm")  # per-sample 0/1 values, paired across variants by document
+# loglikelihood_rolling tasks: per document (log-likelihood, words or bytes); paired as ratios of sums
+ROLLING_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
+
+
+def require_lm_eval() -> None:
+    """One line that says what to install, before any model is loaded."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise RuntimeError(f"hf-tangent lm-eval needs the LM Evaluation Harness, which is not installed: {INSTALL}")
+
+
+def task_manager(include_path: str | None = None):
+    """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(task_folder())] + ([str(include_path)] if include_path else [])
+    return TaskManager(include_path=paths)
+
+
+def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
+             batch_size: int = 1, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
+    """lm_eval.simple_evaluate on an HFLM wrapping the model object: {"results": the metrics as lm-eval
+    names them per task (a group's subtasks included), "samples": {task: {doc_id: {metric: value}}}
+    per leaf task (a group's per-sample outputs are its subtasks'), for the paired metrics (acc,
+    acc_norm) and a rolling task's log-likelihood with its words and bytes, "groups": {group: its leaf
+    subtasks} for the requested tasks that are groups}."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    device = next(model.parameters()).device
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
+    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                          log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                          fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)
+    groups = out.get("group_subtasks", {})
+    leaves = {task: _leaves(task, groups) for task in tasks}
+    wanted = set(tasks) | {leaf for names in leaves.values() for leaf in names} | {
+        sub for task in tasks for sub in _descendants(task, groups)}
+    results = {task: {k: v for k, v in metrics.items() if k != "alias" and isinstance(v, (int, float))}
+               for task, metrics in out["results"].items() if task in wanted}
+    samples = {}
+    for leaf in sorted({leaf for names in leaves.values() for leaf in names}):
+        samples[leaf] = {}
+        for sample in out["samples"].get(leaf, []):
+            values = {m: float(sample[m]) for m in PAIRED_METRICS if m in sample}
+            for m in ROLLING_METRICS:  # (log-likelihood, words) / (log-likelihood, bytes)
+                if m in sample:
+                    ll, count = sample[m]
+                    values["loglikelihood"] = float(ll)
+                    values["words" if m == "word_perplexity" else "bytes"] = float(count)
+            samples[leaf][int(sample["doc_id"])] = values
+    return {"results": results, "samples": samples, "n_samples": out.get("n-samples", {}),
+            "groups": {task: names for task, names in leaves.items() if names != [task]}}
+
+
+def _descendants(task: str, groups: dict) -> list[str]:
+    out = []
+    for child in groups.get(task, []):
+        out += [child, *_descendants(child, groups)]
+    return out
+
+
+def _leaves(task: str, groups: dict) -> list[str]:
+    """The tasks that lm-eval keeps per-sample outputs for under `task`: itself, or for a group (an
+    MMLU-style task of subtasks) its subtasks', recursively."""
+    if not groups.get(task):
+        return [task]
+    return [leaf for child in groups[task] for leaf in _leaves(child, groups)]

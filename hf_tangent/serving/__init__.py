@@ -1,3 +1,0 @@
-"""Serving patched models with vLLM (`pip install 'hf_tangent[vllm]'`): a plugin that vLLM loads through
-the `vllm.general_plugins` entry point (vllm_plugin.py) and the model classes it registers (vllm_llama.py).
-Nothing here is imported by `import hf_tangent`."""
