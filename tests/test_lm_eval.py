@@ -231,6 +231,32 @@ def test_a_group_task_gets_paired_differences_per_subtask_and_for_the_group(tiny
     assert group["diff"] == pytest.approx(results["projected"]["tiny_group"]["acc,none"]
                                           - results["unpatched"]["tiny_group"]["acc,none"])
     assert group["low"] <= group["diff"] <= group["high"]
+    # the report shows the group and each subtask with its own paired row (it showed the group only)
+    markdown = report.to_markdown()
+    for name in ("tiny_group", *subtasks):
+        row = next(line for line in markdown.split(f"## {name}", 1)[1].splitlines() if line.startswith("| projected |"))
+        d = paired[name]["acc"]
+        assert f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" in row
+    assert "a group of 2 subtasks" in markdown
+
+
+def test_the_report_says_which_task_had_nothing_to_pair_and_plots_perplexity_tasks(tmp_path):
+    from hf_tangent.experiments import plots
+    from hf_tangent.experiments.report import Report
+
+    diff = {"diff": 0.01, "low": 0.0, "high": 0.02, "n": 3}
+    data = {"command": "lm-eval", "model": "m", "limit": 3, "num_fewshot": 0, "bootstrap": 10, "seconds": 1.0,
+            "tasks": ["mc", "ppl", "gen"], "variants": ["unpatched", "v"], "groups": {},
+            "results": {"unpatched": {"mc": {"acc,none": 0.5}, "ppl": {"bits_per_byte,none": 1.0}, "gen": {}},
+                        "v": {"mc": {"acc,none": 0.6}, "ppl": {"bits_per_byte,none": 1.1}, "gen": {}}},
+            "paired": {"v": {"mc": {"acc": diff}, "ppl": {"bits_per_byte": diff, "word_nll": diff}, "gen": {}}},
+            "unpaired": {"gen": "no per-sample metric to pair"}}
+    markdown = Report("lm-eval", data).to_markdown()
+    assert "No paired differences for `gen`: no per-sample metric to pair." in markdown
+    ppl = markdown.split("## ppl", 1)[1].split("##", 1)[0]
+    assert "delta bits_per_byte vs unpatched [95% CI]" in ppl and "delta word_nll vs unpatched [95% CI]" in ppl
+    assert [plots.shown_difference(data["paired"], t) for t in data["tasks"]] == ["acc", "bits_per_byte", None]
+    assert Report("lm-eval", data).plot(tmp_path) == [str(tmp_path / "lm_eval_differences.png")]
 
 
 def test_a_task_with_nothing_to_pair_is_said_so():
@@ -259,6 +285,10 @@ def test_the_perplexity_task_gives_lm_eval_metrics_and_paired_bits_per_byte(tiny
     assert paired["word_nll"]["diff"] == pytest.approx(math.log(projected["word_perplexity,none"])
                                                        - math.log(unpatched["word_perplexity,none"]))
     assert paired["bits_per_byte"]["low"] <= paired["bits_per_byte"]["diff"] <= paired["bits_per_byte"]["high"]
+    row = next(line for line in report.to_markdown().splitlines() if line.startswith("| projected |"))
+    for metric in ("bits_per_byte", "word_nll"):  # the report's table showed acc and acc_norm only
+        d = paired[metric]
+        assert f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" in row
 
 
 def test_smoke_every_shipped_task_end_to_end(tiny):

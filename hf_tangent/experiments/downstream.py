@@ -232,18 +232,32 @@ def _unpaired(paired: dict, tasks: list[str]) -> dict[str, str]:
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
 
+PAIRED_SHOWN = (*PAIRED_METRICS, *ROLLING_PAIRED)  # every metric _paired pairs, in the table's order
+
+
+def report_tasks(report: dict) -> list[str]:
+    """The requested tasks in order, a group followed by its subtasks (each paired on its own)."""
+    out = []
+    for task in report["tasks"]:
+        out += [task] + [sub for sub in report.get("groups", {}).get(task, []) if sub != task]
+    return out
+
+
 def lm_eval_markdown(report: dict) -> str:
     lines = [f"# hf-tangent lm-eval: {report['model']}", "",
              f"EleutherAI's LM Evaluation Harness on the model in memory; {report['limit'] or 'all'} items per task, "
              f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
-             f"paired bootstrap interval ({report['bootstrap']} resamples); {report['seconds']} s."]
-    for task in report["tasks"]:
+             f"paired bootstrap interval ({report['bootstrap']} resamples; bits_per_byte and word_nll, nats per word, "
+             f"as ratios of sums over the documents); {report['seconds']} s."]
+    for task in report_tasks(report):
         source = report.get("task_source", {}).get(task)
-        lines += ["", f"## {task}" + (f" ({source})" if source else ""), ""]
+        group = report.get("groups", {}).get(task)
+        lines += ["", f"## {task}" + (f" ({source})" if source else "")
+                  + (f" — a group of {len(group)} subtasks, paired over all their documents" if group else ""), ""]
         metrics = sorted({k for r in report["results"].values() for k in r.get(task, {}) if "stderr" not in k
                           and k != "sample_len"})
-        header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in ("acc", "acc_norm")
-                                         if any(m in p.get(task, {}) for p in report["paired"].values())]]
+        paired = [m for m in PAIRED_SHOWN if any(m in p.get(task, {}) for p in report["paired"].values())]
+        header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in paired]]
         lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
         for variant in report["variants"]:
             values = report["results"][variant].get(task, {})
@@ -252,18 +266,19 @@ def lm_eval_markdown(report: dict) -> str:
                 stderr = values.get(m.replace(",", "_stderr,", 1))
                 cells.append("-" if m not in values else f"{values[m]:.4f}" + (
                     f" +- {stderr:.4f}" if isinstance(stderr, float) else ""))
-            for m in header[1 + len(metrics):]:
-                key = m.split(" ")[1]
-                p = report["paired"].get(variant, {}).get(task, {}).get(key)
+            for m in paired:
+                p = report["paired"].get(variant, {}).get(task, {}).get(m)
                 cells.append("-" if p is None else f"{p['diff']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]")
             lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    for task, why in report.get("unpaired", {}).items():
+        lines += ["", f"No paired differences for `{task}`: {why}."]
     lines += ["", "![paired differences](lm_eval_differences.png)"]
     return "\n".join(lines) + "\n"
 
 
 def _plot_lm_eval(data, folder):
-    return [plots.paired_differences(data["paired"], data["tasks"], os.path.join(folder, "lm_eval_differences.png"),
-                                     f"{data['model']}: accuracy against the unpatched model")]
+    return [plots.paired_differences(data["paired"], report_tasks(data), os.path.join(folder, "lm_eval_differences.png"),
+                                     f"{data['model']}: against the unpatched model")]
 
 
 register_report('lm-eval', lm_eval_markdown, _plot_lm_eval)

@@ -258,20 +258,30 @@ def gain_histograms(rows: list[dict], path: str, title: str, panels: int = 6) ->
     return _save(fig, path)
 
 
+def shown_difference(paired: dict, task: str) -> str | None:
+    """The difference a task's panel shows: accuracy for a multiple-choice or exact-match task, bits per
+    byte for a perplexity (rolling) task; None when no variant has either."""
+    return next((m for m in ("acc", "bits_per_byte") if any(m in p.get(task, {}) for p in paired.values())), None)
+
+
 def paired_differences(paired: dict, tasks: list[str], path: str, title: str) -> str:
-    """Per task, each variant's accuracy difference against the unpatched model with its interval."""
+    """Per task (a group's subtasks each get a panel), each variant's difference against the unpatched
+    model with its 95% interval: acc, or bits_per_byte for a perplexity task."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        variants = [v for v in paired if "acc" in paired[v].get(task, {})]
-        diffs = [paired[v][task]["acc"] for v in variants]
+    shown = [(task, metric) for task in tasks if (metric := shown_difference(paired, task))]
+    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(5 * max(len(shown), 1), 3.6), squeeze=False)
+    if not shown:
+        axes[0][0].text(0.5, 0.5, "nothing paired", ha="center", va="center")
+    for ax, (task, metric) in zip(axes[0][:len(shown)], shown, strict=True):
+        variants = [v for v in paired if metric in paired[v].get(task, {})]
+        diffs = [paired[v][task][metric] for v in variants]
         y = range(len(variants))
         ax.errorbar([d["diff"] for d in diffs], list(y), xerr=[[d["diff"] - d["low"] for d in diffs],
                                                                [d["high"] - d["diff"] for d in diffs]], fmt="o")
         ax.axvline(0.0, color="grey", lw=0.8)
         ax.set_yticks(list(y))
         ax.set_yticklabels([v[-28:] for v in variants], fontsize=7)
-        ax.set_xlabel("acc - acc(unpatched)")
+        ax.set_xlabel(f"{metric} - {metric}(unpatched)")
         ax.set_title(task)
     fig.suptitle(title)
     return _save(fig, path)
