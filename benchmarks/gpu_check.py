@@ -60,10 +60,10 @@ def copy_bandwidth(device: str, gigabytes: float) -> float:
 
 def kernel_bench(device: str, tokens: int, dims: list[int], rules: list[str]) -> list[dict]:
     import torch
-    from hf_tangent.kernels.triton_update import triton_residual_delta
 
     from hf_tangent.core.fused import fused_residual_delta
     from hf_tangent.core.rules import residual_delta
+    from hf_tangent.core.triton_update import triton_residual_delta
 
     dtype = torch.bfloat16
     compiled = torch.compile(residual_delta, dynamic=False) if device == "cuda" else residual_delta

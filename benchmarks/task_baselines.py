@@ -238,8 +238,15 @@ def read_items(task: str, commit: str | None = None) -> list[dict]:
     if commit is None:
         text = data_file(task).read_text(encoding="utf-8")
     else:
-        text = subprocess.run(["git", "show", f"{commit}:hf_tangent/integrations/harness/data/{task}.jsonl"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
+        # the data's folder at that commit (hf_tangent/harness/data before the layout of issue 33)
+        for folder in ("hf_tangent/integrations/harness/data", "hf_tangent/harness/data"):
+            shown = subprocess.run(["git", "show", f"{commit}:{folder}/{task}.jsonl"], cwd=ROOT, capture_output=True,
+                                   text=True)
+            if shown.returncode == 0:
+                break
+        else:
+            raise FileNotFoundError(f"{task}.jsonl is not at commit {commit}: {shown.stderr.strip()}")
+        text = shown.stdout
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

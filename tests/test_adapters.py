@@ -1,4 +1,4 @@
-"""Patch repos (hf_tangent/adapters): kilobytes that point at their base, PEFT-style. Round trips in a
+"""Patch repos (hf_tangent/artifacts/patch_repo.py): kilobytes that point at their base, PEFT-style. Round trips in a
 fresh process against a local base folder standing in for the Hub; mismatches and damaged files
 are one clear error; PEFT's own loaders refuse the repo or read its adapters where told to."""
 

@@ -60,6 +60,35 @@ def test_a_module_added_to_the_core_ships_as_remote_code(tmp_path):
     assert "extra_rule.py" in result.stdout.split() and "patching.py" in result.stdout.split()
 
 
+def test_a_patched_folder_ships_the_core_it_was_written_with(tiny_lm_folder, tmp_path):
+    """The Hub folder's modeling file imports every core module (transformers 4.x copies only what it
+    imports), and its destinations.py carries the list it shipped: as remote code it sits in transformers'
+    module cache, which 4.x shares between local folders of the same name, so a listing there named other
+    models' files (and a save through the remote code then replaced a folder holding a user's utils.py)."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_tangent as ht
+    from hf_tangent.core.destinations import core_modules
+
+    model = ht.patch(AutoModelForCausalLM.from_pretrained(tiny_lm_folder), ht.TangentConfig(update="projected"))
+    folder = ht.save_hub_folder(model, tmp_path / "hub")
+    modeling = (folder / "modeling_hf_tangent.py").read_text(encoding="utf-8")
+    imported = set(re.findall(r"^from \.(\w+) import", modeling, flags=re.M)) - {"configuration_hf_tangent"}
+    assert imported == {name[:-3] for name in core_modules()}
+    cache = tmp_path / "transformers_modules" / "hub"  # a module cache shared with another model's code
+    shutil.copytree(folder, cache, ignore=shutil.ignore_patterns("*.safetensors", "*.json"))
+    (cache.parent / "__init__.py").write_text("", encoding="utf-8")
+    (cache / "__init__.py").write_text("", encoding="utf-8")
+    (cache / "utils.py").write_text("X = 1\n", encoding="utf-8")
+    code = "from transformers_modules.hub import destinations as d; print(sorted(d.REMOTE_CODE_MODULES))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(tmp_path), "PATH": str(Path(sys.executable).parent)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "utils.py" not in result.stdout and "'patching.py'" in result.stdout
+
+
 def test_the_contracts_can_fail(tmp_path):
     """A copy of the package with one upward import (the core importing the CLI) breaks a contract."""
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
@@ -70,3 +99,20 @@ def test_the_contracts_can_fail(tmp_path):
     result = subprocess.run([lint, "--no-cache", str(ROOT / ".importlinter")], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": str(Path(lint).parent)})
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_names_of_the_former_training_module_still_resolve(tmp_path):
+    """`training` was one module: its names (and a Trainer checkpoint's pickled training_args.bin, which
+    names hf_tangent.training.TangentTrainingArguments) resolve from the package that replaced it."""
+    import pickle
+
+    from hf_tangent.training import TangentTrainingArguments
+
+    args = TangentTrainingArguments(output_dir=str(tmp_path), max_steps=3)
+    old = pickle.dumps(args, protocol=0).replace(b"hf_tangent.training.trainer\n", b"hf_tangent.training\n")
+    assert b"hf_tangent.training\nTangentTrainingArguments" in old
+    assert pickle.loads(old).max_steps == 3
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        import hf_tangent.training
+
+        hf_tangent.training.nope  # noqa: B018

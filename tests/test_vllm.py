@@ -1,4 +1,4 @@
-"""Serving patched folders with vLLM (hf_tangent/serving): greedy tokens and their logprobs equal to
+"""Serving patched folders with vLLM (hf_tangent/integrations/vllm): greedy tokens and their logprobs equal to
 transformers' for every rule, gates, a homotopy lambda and parallel layers; unpatched folders as vLLM
 serves them; without the plugin, for families it does not serve and for a folder written before 0.3, a
 refusal, never the base; the CPU serve command of docs/serving.md answers with transformers' tokens.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import string
 import tempfile
 from importlib import resources
@@ -30,10 +29,27 @@ from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_P
 from ..core.wrappers import full_state_dict, model_class, unwrap
 from .serialization import save_pretrained
 
-CORE_DIR = Path(__file__).resolve().parent.parent / "core"  # the folder whose modules ship as remote code
+CORE_PACKAGE = "hf_tangent.core"  # the package whose modules ship as remote code
 REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE = REMOTE_GENERATED_FILES
 # the core's modules, copied beside the two generated files (listed from the folder, not kept by hand)
 REMOTE_CODE_MODULES = core_modules()
+_SHIPPED_LINE = "SHIPPED_CORE_MODULES: tuple[str, ...] | None = None\n"  # in destinations.py
+
+
+def core_imports() -> str:
+    """The modeling file's import of every core module (transformers 4.x copies only what it imports)."""
+    return "\n".join(f"from .{name[:-3]} import __name__ as _{name[:-3]}  # noqa: F401" for name in REMOTE_CODE_MODULES)
+
+
+def _copy_core(folder: Path) -> None:
+    """Copy the core's modules into a patched folder; destinations.py carries the list it was shipped with."""
+    for name in REMOTE_CODE_MODULES:
+        text = (resources.files(CORE_PACKAGE) / name).read_text(encoding="utf-8")
+        if name == "destinations.py":
+            if text.count(_SHIPPED_LINE) != 1:
+                raise RuntimeError("hf_tangent: destinations.py has no SHIPPED_CORE_MODULES line to fill (hub.py).")
+            text = text.replace(_SHIPPED_LINE, f"SHIPPED_CORE_MODULES: tuple[str, ...] | None = {REMOTE_CODE_MODULES!r}\n")
+        (folder / name).write_text(text, encoding="utf-8")
 CARD_TEMPLATE = "hf_tangent_model_card.md"  # in the package data hf_tangent.model_cards (the top-level model_cards/)
 
 _CONFIG_TEMPLATE = '''"""hf_tangent remote code: the config of a {base_config} model patched by hf_tangent.
@@ -58,21 +74,11 @@ AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True). No hf_tangen
 
 from transformers import {base} as _Base
 
-# transformers (4.x) copies only the files this module imports directly: import every one.
-from ._version import __version__  # noqa: F401
-from .calls import call_key  # noqa: F401
+# transformers (4.x) copies only the files this module imports directly: every core module, listed when written.
+{core_imports}
 from .config import TangentConfig
 from .configuration_hf_tangent import {config_cls}
-from .destinations import AtomicSave  # noqa: F401
-from .discovery import describe  # noqa: F401
-from .fused import fused_residual_delta  # noqa: F401
-from .fused_parallel import FusedParallelExecution  # noqa: F401
-from .layer import TangentLayer  # noqa: F401
 from .patching import CONFIG_KEY, patch, set_homotopy
-from .registry import get_spec  # noqa: F401
-from .rules import residual_delta  # noqa: F401
-from .triton_update import triton_residual_delta  # noqa: F401  (triton itself is imported only if installed)
-from .wrappers import unwrap  # noqa: F401
 
 
 class {cls}(_Base):
@@ -115,13 +121,13 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
     base_config = type(config).__mro__[1].__name__ if hasattr(type(config), "_hf_tangent_saves_patched") \
         else type(config).__name__
     names = patched_names(base_model_type(config), base_class, base_config)
-    for name in REMOTE_CODE_MODULES:
-        shutil.copyfile(CORE_DIR / name, folder / name)
+    _copy_core(folder)
     (folder / REMOTE_CONFIG_FILE).write_text(_CONFIG_TEMPLATE.format(
         base_config=base_config, config_cls=names["config_class"], model_type=names["model_type"],
         base_type_attr=BASE_TYPE_ATTR, base_type=base_model_type(config)), encoding="utf-8")
     (folder / REMOTE_MODELING_FILE).write_text(_MODELING_TEMPLATE.format(
-        base=base_class, cls=names["architecture"], config_cls=names["config_class"]), encoding="utf-8")
+        base=base_class, cls=names["architecture"], config_cls=names["config_class"],
+        core_imports=core_imports()), encoding="utf-8")
     data["model_type"] = names["model_type"]
     data["architectures"] = [names["architecture"]]
     data["auto_map"] = {"AutoConfig": f"{REMOTE_CONFIG_FILE[:-3]}.{names['config_class']}",

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..artifacts.models import OFFLINE_MODELS, offline_folder
+from ..artifacts.patch_repo import export_full_folder, read_record
+from ..core.destinations import DestinationError, check_destination
 from .arguments import Checked, CommandError, add_command, dataclasses_of
 
 
@@ -27,22 +30,17 @@ def export_command(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from ..artifacts.patch_repo import export_full_folder, read_record
 
     (options,) = dataclasses_of(args.parser, args)
     if not options.patch or not options.output:
         raise CommandError("--patch and --output are required.")
     record = read_record(options.patch)
-    from ..core.destinations import DestinationError, check_destination
-
     try:  # an artifact folder, not a run folder: new, empty, or a patched folder / patch repo of ours
         check_destination(options.output, protected=[options.patch, options.base_model or record["base"]["name_or_path"]],
                           writer="--output")
     except DestinationError as err:
         raise CommandError(str(err)) from None
     source = options.base_model or record["base"]["name_or_path"]
-    from ..artifacts.models import OFFLINE_MODELS, offline_folder
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(offline_folder(source) if source in OFFLINE_MODELS else source)
     except (OSError, ValueError):

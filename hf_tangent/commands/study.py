@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from ..experiments.studies import ARCHS, BUDGET_RANGES, SCALES, STUDIES
 from ..ranges import Range
+from ..training.data import TextSource
 from .arguments import Checked, CommandError, add_command, dataclasses_of, preflight
 
 
@@ -53,8 +54,6 @@ def study_command_parser(subparsers):
 
 def _documents(options):
     """(train documents, validation documents, their description) or Nones for the scale's text."""
-    from ..training.data import TextSource
-
     if not (options.text_files or options.dataset or options.calibration_files):
         return None, None, None
     if options.calibration_files and not options.text_files:

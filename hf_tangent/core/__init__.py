@@ -4,5 +4,5 @@ fused / Triton forms, one layer's patch (layer.py), the architecture table and i
 write (destinations.py).
 
 Its modules import only each other and the libraries (torch, transformers): a Hub folder's remote
-code is this folder's modules, copied by listing it (`remote_code_modules`). This file is not copied,
+code is this folder's modules, copied by listing it (`destinations.core_modules`). This file is not copied,
 so the modules never rely on it."""

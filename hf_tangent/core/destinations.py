@@ -28,18 +28,26 @@ from pathlib import Path
 
 PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo (artifacts/patch_repo.py)
 RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.json (patching.CONFIG_KEY)
-# What a patched folder carries as remote code: the modules of this folder (the core, listed, not a
-# hand-kept list; in a patched folder this module sits among the same files, so the listing agrees) and
+# What a patched folder carries as remote code: the modules of the core (listed, not a hand-kept list) and
 # the two files hub.py generates. hub.py copies them; transformers copies them again into its module cache.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
+# As remote code this module sits in transformers' module cache, which transformers 4.x shares between
+# every local folder of the same name: a listing there could name another model's files (and a save
+# would then replace them). So hub.py writes the listing it shipped into this copy, on this line.
+SHIPPED_CORE_MODULES: tuple[str, ...] | None = None
 
 
 def core_modules() -> tuple[str, ...]:
-    """The core's module files (`config.py`, `patching.py`, ...): every `*.py` beside this one but
-    the package's `__init__.py` and the generated files."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return tuple(sorted(name for name in os.listdir(here) if name.endswith(".py") and name != "__init__.py"
-                        and name not in REMOTE_GENERATED_FILES))
+    """The core's module files (`config.py`, `patching.py`, ...): in the package, every `*.py` of
+    hf_tangent/core but `__init__.py` (read through importlib.resources, so a zipped install works);
+    in a patched folder's remote code, the list hub.py shipped with it."""
+    if SHIPPED_CORE_MODULES is not None:
+        return SHIPPED_CORE_MODULES
+    from importlib import resources
+
+    return tuple(sorted(entry.name for entry in resources.files(__package__).iterdir()
+                        if entry.name.endswith(".py") and entry.name != "__init__.py"
+                        and entry.name not in REMOTE_GENERATED_FILES))
 
 
 REMOTE_CODE_MODULES = (*core_modules(), *REMOTE_GENERATED_FILES)
