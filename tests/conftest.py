@@ -36,6 +36,28 @@ AUSTEN = SHARED_AUSTEN if SHARED_AUSTEN.is_dir() else Path(__file__).resolve().p
 # hf_tangent's default corpus (data.austen_dir) reads AUSTEN too: set at import, before any fixture (a
 # module-scoped fixture runs before function-scoped autouse ones), so nothing reaches apt or a cache.
 os.environ.setdefault("HF_TANGENT_AUSTEN_DIR", str(AUSTEN))
+# The mixed corpus (heal's default text), the same way: built from the kept excerpts of the Debian
+# files (tests/data/corpora) into a temporary folder, never from apt.
+CORPUS_EXCERPTS = Path(__file__).resolve().parent / "data" / "corpora" / "root"
+
+
+def _kept_corpus() -> str:
+    import atexit
+    import shutil
+    import tempfile
+
+    from hf_tangent.training.corpora import debian
+
+    folder = Path(tempfile.mkdtemp(prefix="hf_tangent_test_corpus_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    debian.build_corpus(CORPUS_EXCERPTS, folder, {}, debian.Sizes(document_words=300, min_document_words=50,
+                                                                   heldout_min_words=0, heldout_max_words=10**9,
+                                                                   train_max_words=10**9))
+    return str(folder)
+
+
+if "HF_TANGENT_CORPUS_DIR" not in os.environ:
+    os.environ["HF_TANGENT_CORPUS_DIR"] = _kept_corpus()
 
 
 def _llama_kwargs():

@@ -352,3 +352,83 @@ def test_a_frozen_teacher_is_moved_to_the_training_device(tmp_path):
                                    teacher=teacher)
     assert moves == [trainer.args.device] and not teacher.training
     assert not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_heal_reports_every_held_out_domain_against_an_independent_nll(tiny_lm_folder, tmp_path):
+    """heal's default text is the mixed corpus (here built from the kept excerpts: conftest): the
+    training windows are shared by its domains, and each held-out domain's NLL of the unpatched
+    model, of the untrained patch and of the healed model, their paired differences and the pooled
+    figure equal an independent computation on the same windows (plain torch hooks on the base and on
+    the saved healed weights); every bootstrap interval holds its difference. With --corpus austen
+    the training is the novels alone and the report still covers every held-out domain."""
+    import json
+
+    from test_patching import expected_delta
+    from transformers import LlamaForCausalLM
+
+    from hf_tangent import cli
+    from hf_tangent.artifacts.models import load_tokenizer
+    from hf_tangent.training import corpora
+    from hf_tangent.training.data import pack_windows
+
+    out = tmp_path / "heal"
+    common = ["--model", str(tiny_lm_folder), "--seq-len", "32", "--max-windows", "3", "--max-steps", "2",
+              "--per-device-train-batch-size", "4", "--update", "projected"]
+    assert cli.main(["heal", *common, "--train-windows", "14", "--save-full-models", "true", "--output-dir", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    names = list(corpora.DOMAINS)
+    assert report["corpus"] == "mixed" and list(report["domains"]) == names
+    assert report["train_domains"] == {n: 3 if k < 2 else 2 for k, n in enumerate(names)}  # 14 windows, 6 domains
+    tokenizer = load_tokenizer(str(tiny_lm_folder))
+    base = LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval()
+    run = report["runs"][0]
+    weights = ht.unpatch(ht.from_pretrained(run["saved"]["model"])).eval()
+    rule = ht.TangentConfig(update="projected")
+
+    def nlls(model, windows, patched):
+        return [nll_with_ffn_rule(model, w[None], (lambda x, y, i: expected_delta(rule, x, y)) if patched else None)
+                for w in windows]
+
+    pooled = []
+    for name in names:
+        windows = pack_windows(tokenizer, corpora.domain_documents(name, "heldout"), 32, 3)
+        entry, row = report["domains"][name], report["domains"][name]["runs"][0]
+        assert entry["windows"] == len(windows) == 3
+        unpatched = nlls(base, windows, False)
+        pooled += unpatched
+        assert entry["unpatched_nll"] == pytest.approx(sum(unpatched) / 3, rel=1e-5)
+        for stage, model in (("untrained", base), ("healed", weights)):
+            expected = sum(nlls(model, windows, True)) / 3 - sum(unpatched) / 3
+            got = row[stage]
+            assert got["delta_nll"] == pytest.approx(expected, abs=2e-4), (name, stage)
+            assert got["low"] <= got["delta_nll"] <= got["high"]
+        assert entry["healed_delta_nll"] == row["healed"]["delta_nll"]
+    assert report["unpatched_nll"] == pytest.approx(sum(pooled) / len(pooled), rel=1e-5)
+    markdown = (out / "report.md").read_text()
+    assert all(f"| {name} | 3 |" in markdown for name in names) and "trained on austen 3, python 3" in markdown
+    # --corpus austen: the novels train, every domain is still reported
+    assert cli.main(["heal", *common, "--train-windows", "4", "--corpus", "austen", "--output-dir", str(tmp_path / "a")]) == 0
+    austen = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert austen["corpus"] == "austen" and austen["train_domains"] == {"austen": 4}
+    assert list(austen["domains"]) == names
+    assert austen["domains"]["python"]["unpatched_nll"] == report["domains"]["python"]["unpatched_nll"]
+
+
+def test_the_corpus_option_refuses_text_given_with_it(tiny_lm_folder, austen_dir, tmp_path, capsys):
+    """--corpus mixed names the offline text used where none is given: with --text-files too, one
+    error naming both, before any model loads; an unknown corpus is refused by the parser."""
+    from hf_tangent import cli
+    from hf_tangent.training.data import TextSource
+
+    code = cli.main(["heal", "--model", str(tiny_lm_folder), "--text-files", str(austen_dir / "emma.txt"),
+                     "--corpus", "mixed", "--output-dir", str(tmp_path / "o")])
+    assert code == 2 and "corpus='mixed' is the offline text used where none is given, and text_files given too" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["heal", "--model", str(tiny_lm_folder), "--corpus", "wiki"])
+    assert "invalid choice: 'wiki'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="corpus='mixed'.*calibration_documents given too"):
+        TextSource(corpus="mixed", calibration_documents=("a",))
+    with pytest.raises((ValueError, TypeError), match="corpus"):
+        TextSource(corpus="wiki")
+    assert not (tmp_path / "o").exists()

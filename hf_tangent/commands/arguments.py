@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -84,13 +84,18 @@ class CalibrationTextArguments(Checked):
         "help": "calibration / training text files (default: the Austen calibration novels; with --text-files "
                 "only, the first 80% of its documents)"})
     train_windows: int = field(default=64, metadata={"help": "calibration / training windows of --seq-len tokens"})
+    corpus: Literal["austen", "mixed"] | None = field(default=None, metadata={
+        "help": "the offline text where none is given: austen (the novels) or mixed (the novels and English prose "
+                "from Debian packages, each domain split by document: docs/recipes.md, 'The mixed corpus'); default: mixed for heal, "
+                "austen for calibrate and finetune. heal reports every held-out domain of the mixed corpus either way"})
 
 
 def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None) -> TextSource:
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
     return TextSource(text_files=tuple_or_none(text and text.text_files), dataset=text and text.dataset,
                       dataset_split=text.dataset_split if text else "test",
-                      calibration_files=tuple_or_none(calibration and calibration.calibration_files))
+                      calibration_files=tuple_or_none(calibration and calibration.calibration_files),
+                      corpus=getattr(calibration, "corpus", None))
 
 
 # ----------------------------------------------------------------------------- checks before work

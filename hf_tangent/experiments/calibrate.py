@@ -27,7 +27,18 @@ from ..training.trainer import (
     training_summary,
 )
 from . import plots
-from .common import Clock, Model, Text, Tokenizer, environment, progress_bar, refuse_patched, resolve_model, windows
+from .common import (
+    Clock,
+    Model,
+    Text,
+    Tokenizer,
+    environment,
+    progress_bar,
+    refuse_patched,
+    resolve_model,
+    stacked,
+    text_windows,
+)
 from .report import PAPER_MEAN_GATES, Report, register_report, variants_table
 
 
@@ -89,8 +100,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
     tangent.resolve_layers(len(decoder_layers(model)))
-    held_out = windows(model, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
-    train_set = windows(model, tokenizer, text.training_documents(), seq_len, train_windows)
+    held_out, train_set = map(stacked, text_windows(model, tokenizer, text, seq_len, max_windows, train_windows))
     batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
     clock = Clock()
     probe = train_set[: min(len(train_set), 8)]  # calibration loss before/after, same windows

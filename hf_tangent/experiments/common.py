@@ -91,6 +91,37 @@ def windows(model, tokenizer, documents: list[str], seq_len: int, max_windows: i
     return pack_windows(tokenizer, documents, seq_len, max_windows)
 
 
+def domain_windows(model, tokenizer, domains: dict[str, list[str]], seq_len: int, max_windows: int | None,
+                   *, split: bool = False) -> dict[str, torch.Tensor]:
+    """Token windows per domain: `max_windows` windows of each domain, or with `split` the
+    `max_windows` divided among the domains (the first ones take the remainder), so that a mixed
+    corpus gives every domain its share instead of the first domain's text only."""
+    if not split or max_windows is None:
+        return {name: windows(model, tokenizer, docs, seq_len, max_windows) for name, docs in domains.items()}
+    if max_windows < len(domains):
+        raise ValueError(f"{max_windows} windows cannot be shared by the {len(domains)} domains of the text "
+                         f"({', '.join(domains)}); accepted: at least one window per domain.")
+    share, extra = divmod(max_windows, len(domains))
+    return {name: windows(model, tokenizer, docs, seq_len, share + (k < extra))
+            for k, (name, docs) in enumerate(domains.items())}
+
+
+def text_windows(model, tokenizer, text, seq_len: int, max_windows: int, train_windows: int, *,
+                 every_domain: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(held-out, training) windows per domain of a TextSource: `max_windows` held-out windows per
+    domain (`every_domain`: every held-out domain of the offline corpus, whatever trains), and
+    `train_windows` training windows in all, shared by the domains."""
+    held_out = domain_windows(model, tokenizer, text.evaluation_domains(training=True, every_domain=every_domain),
+                              seq_len, max_windows)
+    training = domain_windows(model, tokenizer, text.training_domains(), seq_len, train_windows, split=True)
+    return held_out, training
+
+
+def stacked(domains: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The windows of every domain, domain after domain."""
+    return torch.cat(list(domains.values()))
+
+
 def environment(device, dtype, seed) -> dict:
     """What a report records about where it ran, with the process's peak resident memory so far."""
     import resource

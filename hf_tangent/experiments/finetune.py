@@ -21,7 +21,7 @@ from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
 from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from . import plots
-from .common import Clock, Model, Text, Tokenizer, entry_point, environment, resolve_model, windows
+from .common import Clock, Model, Text, Tokenizer, entry_point, environment, resolve_model, stacked, text_windows
 from .report import Report, register_report
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
@@ -131,8 +131,8 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
                 folder = os.path.join(_run_dir(args, rule, seed), "patch" if method == "lora" else "model")
                 check_destination(folder, protected=[base], writer="hf_tangent.finetune")
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
-    held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
-    dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
+    held_out, training = map(stacked, text_windows(first, tokenizer, text, seq_len, max_windows, train_windows))
+    dataset = lm_dataset(training)
     clock = Clock()
     runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
                  eval_batch_size, dtype, save_models) for seed in seeds for rule in names]

@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from ..analysis.ablation import paired_bootstrap
 from ..analysis.evaluation import perplexity
 from ..analysis.stats import paired_permutation_test
 from ..artifacts.hub import save_hub_folder
@@ -25,7 +26,18 @@ from ..training.data import TextSource
 from ..training.healing import HomotopyCallback, heal_trainer_class, held_out_kl
 from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from . import plots
-from .common import Clock, Model, Text, Tokenizer, entry_point, environment, refuse_patched, resolve_model, windows
+from .common import (
+    Clock,
+    Model,
+    Text,
+    Tokenizer,
+    entry_point,
+    environment,
+    refuse_patched,
+    resolve_model,
+    stacked,
+    text_windows,
+)
 from .finetune import LoraSettings
 from .report import Report, register_report
 
@@ -99,6 +111,38 @@ def _generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def _nll(model, held_out: torch.Tensor) -> dict:
+    """The held-out NLL (token mean) and each window's (the per-domain figures pair them)."""
+    result = perplexity(model, held_out)
+    return {"nll": result["nll"], "window_nll": result["window_nll"]}
+
+
+def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: dict[str, int], bootstrap: int = 2000,
+                   seed: int = 0) -> dict:
+    """Per held-out domain and seed: the NLL of the unpatched model, of the untrained patch and of the
+    healed model, and each patched one's difference from the unpatched model over the same windows
+    with its 95 % paired bootstrap interval (the domain's windows resampled). `domains`: name ->
+    number of windows, in the order the windows were stacked."""
+    out, start = {}, 0
+    for name, count in domains.items():
+        window = slice(start, start + count)
+        start += count
+        base = torch.tensor(unpatched_windows[window], dtype=torch.float64)
+        entry = {"windows": count, "unpatched_nll": float(base.mean()), "runs": []}
+        for run in runs:
+            row = {"seed": run["seed"]}
+            for stage in ("untrained", "healed"):
+                diffs = torch.tensor(run[stage]["window_nll"][window], dtype=torch.float64) - base
+                low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed)
+                row[stage] = {"nll": float(base.mean() + diffs.mean()), "delta_nll": float(diffs.mean()),
+                              "low": low, "high": high}
+            entry["runs"].append(row)
+        entry["healed_delta_nll"] = sum(r["healed"]["delta_nll"] for r in entry["runs"]) / len(runs)
+        entry["untrained_delta_nll"] = sum(r["untrained"]["delta_nll"] for r in entry["runs"]) / len(runs)
+        out[name] = entry
+    return out
+
+
 def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, save_full_model,
          base_name, prompt, max_new_tokens, unpatched):
     model = copy.deepcopy(first)
@@ -107,7 +151,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
         teacher = copy.deepcopy(first).eval().requires_grad_(False)
     patch(model, tangent)
     record = patch_record(model, base_model=base_name) if save_model and settings.method == "lora" else None
-    untrained = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher),
+    untrained = {**_nll(model, held_out), "kl": held_out_kl(model, held_out, teacher=teacher),
                  "sample": _generate(model, tokenizer, prompt, max_new_tokens)}
     if settings.method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -121,7 +165,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
     trainer = train(model, dataset, run_args, callbacks=[homotopy], trainer_class=heal_trainer_class(),
                     temperature=settings.temperature, lm_weight=settings.lm_weight, teacher=teacher)
     model.eval()
-    healed = {"nll": perplexity(model, held_out)["nll"], "kl": held_out_kl(model, held_out, teacher=teacher)}
+    healed = {**_nll(model, held_out), "kl": held_out_kl(model, held_out, teacher=teacher)}
     card = {"title": f"{tangent.update} patch, healed by distillation",
             "training": (f"hf-tangent heal ({settings.method}, KL at T={settings.temperature}, lm_weight "
                          f"{settings.lm_weight}, {settings.schedule} homotopy over {homotopy.steps} of "
@@ -157,10 +201,17 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
          max_new_tokens: int = 20) -> Report:
     """Patch `model` with `tangent` and heal it by distillation from its unpatched self, once per
     seed (each run a fresh copy); the `heal` report: held-out NLL and KL untrained vs healed, with
-    the unpatched NLL as reference and a paired sign-flip test over seeds.
+    the unpatched NLL as reference and a paired sign-flip test over seeds, pooled and per held-out
+    domain (with paired bootstrap intervals over each domain's windows).
 
     Args:
         model: a model name or a loaded (unpatched) model; tangent: the patch to heal.
+        text: a TextSource or documents; by default the offline mixed corpus (TextSource(corpus="mixed"):
+            the Austen novels and Debian's English prose), `TextSource(corpus="austen")` for the novels
+            only. With the offline corpus, evaluation is on every domain's held-out documents whatever
+            trains; with text of your own, on its held-out part ("text").
+        seq_len, max_windows: held-out windows of seq_len tokens, max_windows per held-out domain;
+            train_windows: training windows in all, shared equally by the training domains.
         settings: method (lora / full), loss (temperature, lm_weight) and homotopy.
         training_args: Trainer settings; run k writes to output_dir/runs/seed<k>.
         save_models: write every healed model's patch: with LoRA a patch repo (the patch and the adapters,
@@ -173,7 +224,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     settings = settings or HealSettings()
     lora = lora or LoraSettings()
     args = training_args or HealTrainingArguments()
-    text = TextSource.of(text)
+    text = TextSource.of(text).with_default_corpus("mixed")
     base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
     for seed in seeds:  # every folder a run will write, checked before any work
         run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
@@ -184,17 +235,22 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
-    held_out = windows(first, tokenizer, text.evaluation_documents(training=True), seq_len, max_windows)
-    dataset = lm_dataset(windows(first, tokenizer, text.training_documents(), seq_len, train_windows))
+    held_out_domains, train_domains = text_windows(first, tokenizer, text, seq_len, max_windows, train_windows,
+                                                   every_domain=True)
+    held_out, dataset = stacked(held_out_domains), lm_dataset(stacked(train_domains))
     clock = Clock()
-    unpatched = perplexity(first, held_out)["nll"]
+    unpatched_windows = _nll(first, held_out)
+    unpatched = unpatched_windows["nll"]
     runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, save_full_models,
                  base_name, prompt, max_new_tokens, unpatched) for seed in seeds]
     gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]
+    domains = domain_summary(runs, unpatched_windows["window_nll"], {n: len(w) for n, w in held_out_domains.items()},
+                             seed=args.seed)
     return Report("heal", {
         "command": "heal", "model": name, "patch": tangent.to_dict(), "settings": dataclasses.asdict(settings),
         "seeds": list(seeds), "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
-        "train_windows": len(dataset),
+        "train_windows": len(dataset), "corpus": text.corpus,
+        "train_domains": {n: len(w) for n, w in train_domains.items()},
         "training": training_summary(args) | {
             "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if settings.method == "lora" else None},
         "unpatched_nll": unpatched, "prompt": prompt,
@@ -204,6 +260,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
             "untrained_kl": sum(r["untrained"]["kl"] for r in runs) / len(runs),
             "healed_kl": sum(r["healed"]["kl"] for r in runs) / len(runs),
             "p_value": paired_permutation_test(gains) if len(runs) > 1 else None},
+        "domains": domains,
         "runs": runs, "seconds": clock.seconds, **environment(args.device.type, dtype, args.seed),
     })
 
@@ -234,7 +291,22 @@ def heal_markdown(report: dict) -> str:
               f"{s['healed_kl']:.4f} |", "", f"Sample (greedy, seed {report['runs'][0]['seed']}), prompt: "
               f"\"{report['prompt']}\"", "",
               f"- untrained patch: \"{report['runs'][0]['untrained']['sample']}\"",
-              f"- healed: \"{report['runs'][0]['healed']['sample']}\"", "", "![heal loss](loss_curves.png)"]
+              f"- healed: \"{report['runs'][0]['healed']['sample']}\""]
+    if report.get("domains"):  # reports before the per-domain evaluation have the pooled figures only
+        lines += ["", "Per held-out domain (the table above pools them): NLL of the unpatched model, and the patched "
+                  "model's difference from it over the same windows with a 95% paired bootstrap interval (the "
+                  f"domain's windows of {report['seq_len']} tokens resampled)"
+                  + (f"; trained on {', '.join(f'{n} {k}' for n, k in report['train_domains'].items())} windows."
+                     if report.get("train_domains") else "."), "",
+                  "| held-out domain | windows | unpatched NLL | seed | delta NLL untrained [95% CI] | delta NLL healed [95% CI] |",
+                  "|---|---:|---:|---|---:|---:|"]
+        for name, d in report["domains"].items():
+            for r in d["runs"]:
+                u, h = r["untrained"], r["healed"]
+                lines.append(f"| {name} | {d['windows']} | {d['unpatched_nll']:.4f} | {r['seed']} | "
+                             f"{u['delta_nll']:+.4f} [{u['low']:+.4f}, {u['high']:+.4f}] | "
+                             f"{h['delta_nll']:+.4f} [{h['low']:+.4f}, {h['high']:+.4f}] |")
+    lines += ["", "![heal loss](loss_curves.png)"]
     return "\n".join(lines) + "\n"
 
 

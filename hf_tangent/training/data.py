@@ -1,118 +1,35 @@
-"""Text for evaluation and calibration: the offline Austen corpus, local files, hub datasets.
+"""Text for evaluation and calibration: the offline corpora (corpora/: the Austen novels, and the
+mixed corpus of Debian's English prose), local files, hub datasets.
 
-Calibration and evaluation text are split by document (novel), never by lines, so they cannot
-overlap. The Austen novels are read out of Debian's `r-cran-janeaustenr` package the first time
-they are needed, and cached as UTF-8 text.
+Calibration and evaluation text are split by document, never by lines, so they cannot overlap.
 """
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
-import subprocess
-import tempfile
-import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
-from ..artifacts.checkpoints import cache_dir
 from ..ranges import check_ranges
+from .corpora import DOMAINS, mixed_documents
+from .corpora.austen import (  # noqa: F401  (the names this module has always had)
+    AUSTEN_NOVELS,
+    AUSTEN_SPLITS,
+    austen_dir,
+    austen_files,
+    check_text_files,
+    read_r_lazyload,
+)
 
-AUSTEN_SPLITS = {
-    "calibration": ("prideprejudice", "sensesensibility", "northangerabbey"),
-    "evaluation": ("emma", "mansfieldpark"),
-}
-AUSTEN_NOVELS = AUSTEN_SPLITS["calibration"] + AUSTEN_SPLITS["evaluation"]
 # Hub datasets by short name: (path, config, text column). Users with a network only.
 HUB_DATASETS = {
     "wikitext-2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "text"),
     "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1", "text"),
     "openwebtext-10k": ("stas/openwebtext-10k", None, "text"),
 }
-
-
-def _has_novels(folder: Path) -> bool:
-    return all((folder / f"{name}.txt").is_file() for name in AUSTEN_NOVELS)
-
-
-def austen_dir() -> Path:
-    """A folder with the Austen novels as <name>.txt: $HF_TANGENT_AUSTEN_DIR, the cache, or Debian."""
-    override = os.environ.get("HF_TANGENT_AUSTEN_DIR")
-    if override:
-        if not _has_novels(Path(override)):
-            raise FileNotFoundError(f"HF_TANGENT_AUSTEN_DIR={override} lacks some of {[n + '.txt' for n in AUSTEN_NOVELS]}.")
-        return Path(override)
-    target = cache_dir() / "austen"
-    if not _has_novels(target):
-        _extract_austen_from_debian(target)
-    return target
-
-
-def _extract_austen_from_debian(target: Path) -> None:
-    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-        raise RuntimeError(
-            "hf_tangent: the default Austen corpus comes from Debian's r-cran-janeaustenr package, but "
-            "apt-get/dpkg-deb are not available here. Put the novels as UTF-8 files "
-            f"{', '.join(n + '.txt' for n in AUSTEN_NOVELS)} into a folder and set HF_TANGENT_AUSTEN_DIR, "
-            "or pass your own text with --text-files."
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=tmp, capture_output=True, text=True)
-        debs = list(Path(tmp).glob("r-cran-janeaustenr_*.deb"))
-        if result.returncode != 0 or not debs:
-            raise RuntimeError(
-                "hf_tangent: `apt-get download r-cran-janeaustenr` failed (run `apt-get update` first, or set "
-                f"HF_TANGENT_AUSTEN_DIR / pass --text-files):\n{result.stderr.strip()}"
-            )
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(Path(tmp) / "x")], check=True)
-        data = next((Path(tmp) / "x").rglob("janeaustenr/data/Rdata.rdx")).parent
-        novels = read_r_lazyload(data / "Rdata")
-    staging = Path(tempfile.mkdtemp(dir=_mkdir(target.parent), prefix=".austen-"))
-    for name in AUSTEN_NOVELS:
-        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
-    staging.chmod(0o755)
-    try:
-        os.replace(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not _has_novels(target):
-            raise
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def read_r_lazyload(stem: Path) -> dict:
-    """Objects of an R lazy-load database (stem.rdx index + stem.rdb zlib blobs), via `rdata`."""
-    import warnings
-
-    import rdata
-
-    def parse(raw: bytes):
-        with warnings.catch_warnings():  # rdata cannot tell a bare serialized object from a file
-            warnings.simplefilter("ignore", UserWarning)
-            return rdata.conversion.convert(rdata.parser.parse_data(raw))
-
-    index = parse(gzip.decompress(stem.with_suffix(".rdx").read_bytes()))
-    blob = stem.with_suffix(".rdb").read_bytes()
-    out = {}
-    for name, (offset, length) in index["variables"].items():
-        chunk = blob[int(offset) : int(offset) + int(length)]
-        out[str(name)] = parse(zlib.decompress(chunk[4:]))  # 4-byte length header, then zlib
-    return out
-
-
-def austen_files(split: str = "evaluation") -> list[str]:
-    if split not in AUSTEN_SPLITS:
-        raise ValueError(f"unknown Austen split {split!r}; accepted: {', '.join(AUSTEN_SPLITS)}.")
-    folder = austen_dir()
-    return [str(folder / f"{name}.txt") for name in AUSTEN_SPLITS[split]]
 
 
 def load_documents(text_files: Sequence[str] | None = None, dataset: str | None = None, *,
@@ -143,21 +60,6 @@ def load_documents(text_files: Sequence[str] | None = None, dataset: str | None 
     if not docs:
         raise ValueError(f"the text files {files} hold no text.")
     return docs
-
-
-def check_text_files(files: Sequence[str]) -> None:
-    """Every file exists and is UTF-8 text; the error names the file (and the byte)."""
-    missing = [f for f in files if not os.path.isfile(f)]
-    if missing:
-        raise FileNotFoundError(f"text files not found: {missing}")
-    for name in files:
-        with open(name, "rb") as f:
-            raw = f.read()
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"text file {name} is not UTF-8 text (byte {err.start}: {raw[err.start:err.start + 4]!r}); "
-                             "convert it, e.g. iconv -f latin1 -t utf-8.") from None
 
 
 def pack_windows(tokenizer, documents: Sequence[str], seq_len: int, max_windows: int | None = None) -> torch.Tensor:
@@ -205,9 +107,15 @@ class TextSource:
     """Where evaluation and training text come from, and how reports name it (one place for both).
 
     Evaluation text: `text_files`, a hub `dataset` (its `dataset_split`), in-memory `documents`, or
-    the held-out Austen novels. Training / calibration text: `calibration_files`, in-memory
-    `calibration_documents`, the dataset's train split, or the Austen calibration novels; with
-    evaluation files only, training uses the first 80% of their documents and evaluation the rest."""
+    the held-out part of the offline `corpus`. Training / calibration text: `calibration_files`,
+    in-memory `calibration_documents`, the dataset's train split, or the offline corpus's training
+    part; with evaluation files only, training uses the first 80% of their documents and evaluation the rest.
+
+    The offline corpus (where no text is given): "austen" (the Austen novels: calibration / held-out
+    novels) or "mixed" (the novels and English prose from Debian packages, corpora/, each domain split
+    by document into train / held-out); None is the recipe's default (`with_default_corpus`: heal
+    takes "mixed", the others "austen"). `training_domains` / `evaluation_domains` give the
+    documents per domain (one domain, named "text", for text the user gives)."""
 
     text_files: tuple[str, ...] | None = None
     dataset: str | None = None
@@ -215,9 +123,15 @@ class TextSource:
     calibration_files: tuple[str, ...] | None = None
     documents: tuple[str, ...] | None = None
     calibration_documents: tuple[str, ...] | None = None
+    corpus: Literal["austen", "mixed"] | None = None
 
     def __post_init__(self):
         check_ranges(self)  # every field's type (ranges.py), as for every options object
+        if self.corpus == "mixed" and not self._offline_default:
+            given = [n for n in ("text_files", "dataset", "documents", "calibration_files", "calibration_documents")
+                     if getattr(self, n)]
+            raise ValueError(f"corpus='mixed' is the offline text used where none is given, and {' and '.join(given)} "
+                             "given too; accepted: one or the other.")
         given = [n for n in ("text_files", "dataset", "documents") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"pass one evaluation text source, not {' and '.join(given)}.")
@@ -238,11 +152,41 @@ class TextSource:
             raise ValueError("text must be a TextSource or a list of documents (strings).")
         return cls(documents=tuple(text))
 
+    def with_default_corpus(self, corpus: Literal["austen", "mixed"]) -> TextSource:
+        """This source, with `corpus` where none was chosen and no text is given (a recipe's default
+        offline corpus)."""
+        return replace(self, corpus=corpus) if self.corpus is None and self._offline_default else self
+
+    @property
+    def _offline_default(self) -> bool:
+        return not any((self.text_files, self.dataset, self.documents, self.calibration_files, self.calibration_documents))
+
+    @property
+    def _mixed(self) -> bool:
+        return self.corpus == "mixed" and self._offline_default
+
+    def training_domains(self) -> dict[str, list[str]]:
+        """Training text per domain: the mixed corpus's domains, {"austen": ...} by default, {"text": ...}
+        for text the user gives."""
+        if self._mixed:
+            return mixed_documents("train")
+        return {"austen" if self._offline_default else "text": self.training_documents()}
+
+    def evaluation_domains(self, *, training: bool = False, every_domain: bool = False) -> dict[str, list[str]]:
+        """Held-out text per domain (as training_domains); `every_domain`: the mixed corpus's held-out
+        domains whenever the text is the offline default, whichever corpus trains (heal's report)."""
+        if self._mixed or (every_domain and self._offline_default):
+            return mixed_documents("heldout")
+        return {"austen" if self._offline_default and not self.documents else "text":
+                self.evaluation_documents(training=training)}
+
     @property
     def _own_training(self) -> bool:
         return bool(self.calibration_files or self.calibration_documents)
 
     def evaluation_documents(self, *, training: bool = False) -> list[str]:
+        if self._mixed:  # every domain's held-out documents, domain after domain
+            return [d for docs in mixed_documents("heldout").values() for d in docs]
         if self.documents:
             return list(self.documents)
         if self.dataset:
@@ -253,6 +197,8 @@ class TextSource:
 
     def training_documents(self) -> list[str]:
         """Calibration / training text, never overlapping the evaluation text."""
+        if self._mixed:
+            return [d for docs in mixed_documents("train").values() for d in docs]
         if self.calibration_documents:
             return list(self.calibration_documents)
         if self.calibration_files:
@@ -277,23 +223,30 @@ class TextSource:
         """The provenance written into reports: a string, or {evaluation, calibration} with training."""
         files = " ".join(self.text_files or ())
         split = training and self.text_files and not self._own_training
+        mixed = f"mixed ({', '.join(DOMAINS)})"
         evaluation = ("user documents" if self.documents else f"{self.dataset}:{self.dataset_split}" if self.dataset
-                      else f"{files} (last 20% of documents)" if split else files or "austen:evaluation")
+                      else f"{files} (last 20% of documents)" if split else files or (
+                          f"{mixed}:heldout" if self._mixed else "austen:evaluation"))
         if not training:
             return evaluation
         calibration = ("user documents" if self.calibration_documents else " ".join(self.calibration_files)
                        if self.calibration_files else f"{self.dataset}:train" if self.dataset
-                       else f"{files} (first 80% of documents)" if split else "austen:calibration")
+                       else f"{files} (first 80% of documents)" if split else (
+                           f"{mixed}:train" if self._mixed else "austen:calibration"))
         return {"evaluation": evaluation, "calibration": calibration}
 
     def describe_calibration(self) -> str:
         """Provenance of calibration-only text (sensitivity, the parallel sweep's C_l)."""
+        if self._mixed:
+            return f"mixed ({', '.join(DOMAINS)}):train"
         if self.calibration_documents:
             return "user documents"
         return " ".join(self.calibration_files) if self.calibration_files else "austen:calibration"
 
     def calibration_only_documents(self) -> list[str]:
         """Calibration text for analyses that evaluate nothing (C_l): never the evaluation text."""
+        if self._mixed:
+            return self.training_documents()
         if self.calibration_documents:
             return list(self.calibration_documents)
         return load_documents(self.calibration_files) if self.calibration_files else load_documents(split="calibration")

@@ -1,0 +1,106 @@
+"""A mixed-domain offline English corpus for calibration and healing, from Debian packages.
+
+Six domains (`DOMAINS`): Jane Austen's novels (the corpus hf_tangent always had, from
+r-cran-janeaustenr) and five kinds of prose that Debian ships as HTML or text: the Python tutorial,
+HOWTOs and FAQ, the GNU coding standards, the Debian Administrator's Handbook, the GCIDE dictionary
+and the Jargon File. Each domain is split by document into "train" and "heldout" (about 20 %), with
+no paragraph in both, and each non-Austen domain's training text is capped at about 1 MB so that no
+domain dominates a mix (debian.py says how).
+
+    from hf_tangent.training.corpora import mixed_documents
+    calibration = mixed_documents("train")      # {"austen": [...], "python": [...], ...}
+    evaluation = mixed_documents("heldout", ["austen", "jargon"])
+
+The non-Austen text is extracted once, on first use, with apt-get and dpkg-deb (a few seconds
+after the 60 MB download) into the hf_tangent cache, or read from `$HF_TANGENT_CORPUS_DIR`: a
+folder of <domain>/<split>/<doc id>.txt, as `corpus_dir()` writes it (with a SOURCES.md listing
+packages, versions, licences and sizes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ...artifacts.checkpoints import cache_dir
+from .austen import AUSTEN_SPLITS, austen_dir, check_text_files
+from .debian import CORPUS_DOMAINS, CORPUS_ENV, DOMAINS, SPLITS, Domain, Sizes, build_corpus, extract_packages
+
+__all__ = ["CORPUS_VERSION", "DOMAINS", "SPLITS", "Domain", "Sizes", "build_corpus", "corpus_dir",
+           "domain_documents", "mixed_documents"]
+
+CORPUS_VERSION = "1"  # bump when the extraction changes: it names the cache folder
+# The Austen split names of data.py for this module's train / heldout.
+_AUSTEN_SPLIT = {"train": "calibration", "heldout": "evaluation"}
+
+
+def _missing(folder: Path) -> list[str]:
+    """The <domain>/<split> folders of `folder` that hold no .txt document."""
+    return [f"{name}/{split}" for name in CORPUS_DOMAINS for split in SPLITS
+            if not any((folder / name / split).glob("*.txt"))]
+
+
+def corpus_dir() -> Path:
+    """The folder of <domain>/<split>/<doc id>.txt for every non-Austen domain: $HF_TANGENT_CORPUS_DIR,
+    else cache_dir()/corpus/<CORPUS_VERSION>, extracted from Debian on first use."""
+    override = os.environ.get(CORPUS_ENV)
+    if override:
+        missing = _missing(Path(override))
+        if missing:
+            raise FileNotFoundError(
+                f"{CORPUS_ENV}={override} lacks documents (<domain>/<split>/*.txt) for {', '.join(missing)}; "
+                f"it needs every domain of {', '.join(CORPUS_DOMAINS)} with both splits {', '.join(SPLITS)}."
+            )
+        return Path(override)
+    target = cache_dir() / "corpus" / CORPUS_VERSION
+    if _missing(target):
+        _extract(target)
+    return target
+
+
+def _extract(target: Path) -> None:
+    """Downloads, reads and splits the packages into a staging folder, then moves it in place in one step."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root, versions = extract_packages(Path(tmp))
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".corpus-"))
+        try:
+            build_corpus(root, staging, versions)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    staging.chmod(0o755)
+    try:
+        os.replace(staging, target)
+    except OSError:  # another process got there first (or an unfinished folder is in the way)
+        shutil.rmtree(staging, ignore_errors=True)
+        if _missing(target):
+            raise
+
+
+def domain_documents(domain: str, split: str) -> list[str]:
+    """The documents (one string each) of one domain and split ("train" or "heldout"). Austen's
+    train split is the calibration novels and its held-out split the evaluation novels (data.py)."""
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown corpus domain {domain!r}; accepted: {', '.join(DOMAINS)}.")
+    if split not in SPLITS:
+        raise ValueError(f"unknown corpus split {split!r}; accepted: {', '.join(SPLITS)}.")
+    if domain == "austen":
+        folder = austen_dir()
+        files = [str(folder / f"{novel}.txt") for novel in AUSTEN_SPLITS[_AUSTEN_SPLIT[split]]]
+    else:
+        files = [str(f) for f in sorted((corpus_dir() / domain / split).glob("*.txt"))]
+    check_text_files(files)
+    return [Path(f).read_text(encoding="utf-8") for f in files]
+
+
+def mixed_documents(split: str, domains: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """Domain -> documents of one split, for `domains` (all, in DOMAINS order, by default)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown corpus split {split!r}; accepted: {', '.join(SPLITS)}.")
+    if isinstance(domains, str):
+        raise ValueError(f"domains must be a sequence of domain names, not the string {domains!r}.")
+    return {domain: domain_documents(domain, split) for domain in (DOMAINS if domains is None else domains)}
