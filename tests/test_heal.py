@@ -410,6 +410,7 @@ def test_heal_reports_every_held_out_domain_against_an_independent_nll(tiny_lm_f
     assert cli.main(["heal", *common, "--train-windows", "4", "--corpus", "austen", "--output-dir", str(tmp_path / "a")]) == 0
     austen = json.loads((tmp_path / "a" / "report.json").read_text())
     assert austen["corpus"] == "austen" and austen["train_domains"] == {"austen": 4}
+    assert austen["text"] == {"evaluation": "mixed (" + ", ".join(names) + "):heldout", "calibration": "austen:calibration"}
     assert list(austen["domains"]) == names
     assert austen["domains"]["python"]["unpatched_nll"] == report["domains"]["python"]["unpatched_nll"]
 
@@ -424,6 +425,8 @@ def test_the_corpus_option_refuses_text_given_with_it(tiny_lm_folder, austen_dir
                      "--corpus", "mixed", "--output-dir", str(tmp_path / "o")])
     assert code == 2 and "corpus='mixed' is the offline text used where none is given, and text_files given too" \
         in capsys.readouterr().err
+    with pytest.raises(ValueError, match="corpus='austen' is the offline text used where none is given"):
+        TextSource(corpus="austen", text_files=(str(austen_dir / "emma.txt"),))
     with pytest.raises(SystemExit):
         cli.main(["heal", "--model", str(tiny_lm_folder), "--corpus", "wiki"])
     assert "invalid choice: 'wiki'" in capsys.readouterr().err

@@ -109,7 +109,8 @@ def update_variants() -> dict:
 def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = None, *, batch_size: int = 1,
                       progress=None) -> list[dict]:
     """Held-out NLL/perplexity of the unpatched model and of each named update variant (applied to
-    every layer, no training), with deltas against the unpatched row. The model is left unpatched."""
+    every layer, no training), with deltas against the unpatched row and each window's NLL
+    ("window_nll"). The model is left unpatched."""
     if get_config(model) is not None:
         raise ValueError("evaluate_variants expects an unpatched model.")
     variants = update_variants()
@@ -130,7 +131,8 @@ def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = No
         finally:
             unpatch(model)
         rows.append({"variant": name, "config": None if variants[name] is None else variants[name].to_dict(),
-                     "nll": result["nll"], "perplexity": result["perplexity"], "tokens": result["tokens"]})
+                     "nll": result["nll"], "perplexity": result["perplexity"], "tokens": result["tokens"],
+                     "window_nll": result["window_nll"]})
     for row in rows:
         row["delta_nll"] = row["nll"] - rows[0]["nll"]
         row["delta_perplexity"] = row["perplexity"] - rows[0]["perplexity"]

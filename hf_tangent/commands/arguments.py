@@ -73,7 +73,7 @@ class EvalTextArguments(Checked):
         "help": "hub dataset to evaluate on: wikitext-2, wikitext-103, openwebtext-10k or a hub path"})
     dataset_split: str = field(default="test", metadata={"help": "evaluation split of --dataset"})
     seq_len: int = field(default=512, metadata={"help": "tokens per window"})
-    max_windows: int = field(default=8, metadata={"help": "held-out windows evaluated"})
+    max_windows: int = field(default=8, metadata={"help": "held-out windows evaluated (per held-out domain with the mixed corpus)"})
 
 
 @dataclass
@@ -90,12 +90,13 @@ class CalibrationTextArguments(Checked):
                 "austen for calibrate and finetune. heal reports every held-out domain of the mixed corpus either way"})
 
 
-def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None) -> TextSource:
+def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None,
+                corpus: str | None = None) -> TextSource:
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
     return TextSource(text_files=tuple_or_none(text and text.text_files), dataset=text and text.dataset,
                       dataset_split=text.dataset_split if text else "test",
                       calibration_files=tuple_or_none(calibration and calibration.calibration_files),
-                      corpus=getattr(calibration, "corpus", None))
+                      corpus=corpus or getattr(calibration, "corpus", None))
 
 
 # ----------------------------------------------------------------------------- checks before work

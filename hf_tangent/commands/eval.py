@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ..analysis.evaluation import update_variants
 from .arguments import (
@@ -25,6 +25,9 @@ class EvalArguments(Checked):
     updates: list[str] | None = field(default=None, metadata={
         "help": "update variants to evaluate (default all): " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})
+    corpus: Literal["austen", "mixed"] | None = field(default=None, metadata={
+        "help": "the offline text where none is given: austen (the held-out novels, the default) or mixed (every "
+                "held-out domain of the mixed corpus, --max_windows windows of each, a table per domain)"})
 
 
 def eval_command_parser(subparsers):
@@ -37,7 +40,7 @@ def eval_command(args) -> int:
 
     model, text, run, options = dataclasses_of(args.parser, args)
     preflight(text, run, output_dir=run.output_dir, device=run.device)
-    report = evaluate_rules(model.model, text=text_source(text), rules=options.updates, seq_len=text.seq_len,
+    report = evaluate_rules(model.model, text=text_source(text, corpus=options.corpus), rules=options.updates, seq_len=text.seq_len,
                             max_windows=text.max_windows, batch_size=run.batch_size, dtype=model.dtype,
                             device=run.device, seed=run.seed)
     report.save(run.output_dir, echo=True)

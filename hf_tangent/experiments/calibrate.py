@@ -32,10 +32,12 @@ from .common import (
     Model,
     Text,
     Tokenizer,
+    check_domain_shares,
     environment,
     progress_bar,
     refuse_patched,
     resolve_model,
+    spread,
     stacked,
     text_windows,
 )
@@ -97,16 +99,20 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     text = TextSource.of(text)
     writes_patch = bool(save_patch or push_to_hub)  # a patch repo, which records its base by name
     _check_destinations(model, named, args, save_patch, save_model, push_to_hub)  # before any work
+    check_domain_shares(text, train_windows)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
     tangent.resolve_layers(len(decoder_layers(model)))
-    held_out, train_set = map(stacked, text_windows(model, tokenizer, text, seq_len, max_windows, train_windows))
+    held_out_domains, train_domains = text_windows(model, tokenizer, text, seq_len, max_windows, train_windows)
+    held_out, train_set = stacked(held_out_domains), stacked(train_domains)
     batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
     clock = Clock()
-    probe = train_set[: min(len(train_set), 8)]  # calibration loss before/after, same windows
+    probe = spread(train_domains, 8)  # calibration loss before/after, same windows, from every domain
     model.to(args.device)
     with progress_bar(progress, (len(compare_rules) + 1) * len(held_out) + len(probe), "held-out evaluation") as bar:
         table = evaluate_variants(model, held_out, list(compare_rules), batch_size=batch, progress=bar)
+        for row in table:  # the report keeps the pooled figures
+            del row["window_nll"]
         before = perplexity(model, probe, batch_size=batch, progress=bar)
     patch(model, tangent)
     record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded

@@ -14,6 +14,7 @@ from ..artifacts.models import load_model
 from ..core._version import __version__
 from ..core.patching import get_config, preserved, require_model
 from ..ranges import TEXT_RANGES, check_values
+from ..training.corpora import DOMAINS
 from ..training.data import TextSource, pack_windows
 
 # The types of the options every recipe function shares (ranges.py checks them before any work).
@@ -96,14 +97,25 @@ def domain_windows(model, tokenizer, domains: dict[str, list[str]], seq_len: int
     """Token windows per domain: `max_windows` windows of each domain, or with `split` the
     `max_windows` divided among the domains (the first ones take the remainder), so that a mixed
     corpus gives every domain its share instead of the first domain's text only."""
-    if not split or max_windows is None:
-        return {name: windows(model, tokenizer, docs, seq_len, max_windows) for name, docs in domains.items()}
-    if max_windows < len(domains):
+    check_values(TEXT_RANGES, seq_len=seq_len, max_windows=max_windows)
+    if split and max_windows is not None and max_windows < len(domains):
         raise ValueError(f"{max_windows} windows cannot be shared by the {len(domains)} domains of the text "
                          f"({', '.join(domains)}); accepted: at least one window per domain.")
-    share, extra = divmod(max_windows, len(domains))
-    return {name: windows(model, tokenizer, docs, seq_len, share + (k < extra))
-            for k, (name, docs) in enumerate(domains.items())}
+    share, extra = divmod(max_windows, len(domains)) if split and max_windows is not None else (max_windows, 0)
+    out = {}
+    for k, (name, docs) in enumerate(domains.items()):
+        try:
+            out[name] = windows(model, tokenizer, docs, seq_len, None if share is None else share + (k < extra))
+        except ValueError as err:
+            raise ValueError(f"{err} (domain {name!r})" if len(domains) > 1 else str(err)) from None
+    return out
+
+
+def check_domain_shares(text, train_windows: int) -> None:
+    """Before any model loads: the mixed corpus needs a training window for each of its domains."""
+    if text.corpus == "mixed" and train_windows < len(DOMAINS):
+        raise ValueError(f"train_windows={train_windows} cannot be shared by the {len(DOMAINS)} domains of the mixed "
+                         f"corpus ({', '.join(DOMAINS)}); accepted: at least {len(DOMAINS)}.")
 
 
 def text_windows(model, tokenizer, text, seq_len: int, max_windows: int, train_windows: int, *,
@@ -120,6 +132,16 @@ def text_windows(model, tokenizer, text, seq_len: int, max_windows: int, train_w
 def stacked(domains: dict[str, torch.Tensor]) -> torch.Tensor:
     """The windows of every domain, domain after domain."""
     return torch.cat(list(domains.values()))
+
+
+def spread(domains: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    """At most n windows, taken round-robin from the domains (a single domain: its first n)."""
+    picked: list[torch.Tensor] = []
+    for k in range(max(len(w) for w in domains.values())):
+        picked += [w[k] for w in domains.values() if k < len(w)]
+        if len(picked) >= n:
+            break
+    return torch.stack(picked[:n])
 
 
 def environment(device, dtype, seed) -> dict:

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import torch
+
+from ..analysis.ablation import paired_bootstrap
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
 from ..core.patching import get_config, without_patch
 from ..ranges import DType, validated
 from ..training.data import TextSource
-from .common import Clock, Model, Text, Tokenizer, entry_point, environment, progress_bar, resolve_model, windows
+from .common import (
+    Clock,
+    Model,
+    Text,
+    Tokenizer,
+    domain_windows,
+    entry_point,
+    environment,
+    progress_bar,
+    resolve_model,
+    stacked,
+)
+from .heal import interval
 from .report import Report, register_report, variants_table
 
 
@@ -21,7 +36,9 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     Args:
         model: a model name (offline name, folder, hub id) or a loaded model (then pass `tokenizer`).
             A patched model (or a saved patched folder) is also evaluated as it is, first.
-        text: a `TextSource`, a list of documents, or None (the held-out Austen novels).
+        text: a `TextSource`, a list of documents, or None (the held-out Austen novels);
+            `TextSource(corpus="mixed")`: every held-out domain of the mixed corpus, `max_windows` windows of
+            each, with a table per domain beside the pooled one.
         rules: names from `evaluation.update_variants()` (default: all; []: only the unpatched model, and a
             loaded patch as it is).
         seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
@@ -30,7 +47,8 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     names = list(update_variants()) if rules is None else list(rules)
     text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
-    held_out = windows(model, tokenizer, text.evaluation_documents(), seq_len, max_windows)
+    domains = domain_windows(model, tokenizer, text.evaluation_domains(), seq_len, max_windows)
+    held_out = stacked(domains)
     loaded = get_config(model)
     clock = Clock()
     total = (len(set(names) | {"unpatched"}) + (loaded is not None)) * len(held_out)
@@ -39,19 +57,41 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
         if loaded is not None:
             result = perplexity(model, held_out, batch_size=batch_size, progress=bar)
             saved_row = {"variant": "saved patch (as loaded)", "config": loaded.to_dict(), "nll": result["nll"],
-                         "perplexity": result["perplexity"], "tokens": result["tokens"]}
+                         "perplexity": result["perplexity"], "tokens": result["tokens"], "window_nll": result["window_nll"]}
         with without_patch(model):
             rows = evaluate_variants(model, held_out, names, batch_size=batch_size, progress=bar)
     if saved_row is not None:
         saved_row["delta_nll"] = saved_row["nll"] - rows[0]["nll"]
         saved_row["delta_perplexity"] = saved_row["perplexity"] - rows[0]["perplexity"]
         rows.insert(1, saved_row)
+    per_domain = domain_rows(rows, {n: len(w) for n, w in domains.items()}, seed) if len(domains) > 1 else None
+    for row in rows:
+        del row["window_nll"]
     device = next(model.parameters()).device
     return Report("eval", {
         "command": "eval", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
         "tokens_per_variant": rows[0]["tokens"], "seconds": clock.seconds,
         **environment(device, next(model.parameters()).dtype, seed), "rows": rows,
+        **({"domains": per_domain} if per_domain else {}),
     })
+
+
+def domain_rows(rows: list[dict], counts: dict[str, int], seed: int, bootstrap: int = 2000) -> dict:
+    """Per held-out domain (its windows, in the order they were stacked): each variant's NLL and its
+    difference from the first row (unpatched) over the same windows, 95 % paired bootstrap interval."""
+    out, start = {}, 0
+    for domain, count in counts.items():
+        window = slice(start, start + count)
+        start += count
+        base = torch.tensor(rows[0]["window_nll"][window], dtype=torch.float64)
+        entries = []
+        for row in rows:
+            diffs = torch.tensor(row["window_nll"][window], dtype=torch.float64) - base
+            low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed) if count > 1 else (None, None)
+            entries.append({"variant": row["variant"], "nll": float(base.mean() + diffs.mean()),
+                            "delta_nll": float(diffs.mean()), "low": low, "high": high})
+        out[domain] = {"windows": count, "rows": entries}
+    return out
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
@@ -65,7 +105,20 @@ def eval_markdown(report: dict) -> str:
         f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained.",
         "",
         variants_table(report["rows"]),
-    ]) + "\n"
+    ] + _domains_table(report)) + "\n"
+
+
+def _domains_table(report: dict) -> list[str]:
+    if not report.get("domains"):
+        return []
+    lines = ["", "Per held-out domain (the table above pools them): each variant's difference from the unpatched model "
+             "over the domain's windows, 95% paired bootstrap interval (the windows resampled).", "",
+             "| held-out domain | windows | variant | NLL | delta NLL [95% CI] |", "|---|---:|---|---:|---:|"]
+    for domain, d in report["domains"].items():
+        for r in d["rows"]:
+            delta = "-" if r["variant"] == "unpatched" else interval(r)
+            lines.append(f"| {domain} | {d['windows']} | {r['variant']} | {r['nll']:.4f} | {delta} |")
+    return lines
 
 
 register_report('eval', eval_markdown)

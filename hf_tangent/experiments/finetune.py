@@ -21,7 +21,18 @@ from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
 from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from . import plots
-from .common import Clock, Model, Text, Tokenizer, entry_point, environment, resolve_model, stacked, text_windows
+from .common import (
+    Clock,
+    Model,
+    Text,
+    Tokenizer,
+    check_domain_shares,
+    entry_point,
+    environment,
+    resolve_model,
+    stacked,
+    text_windows,
+)
 from .report import Report, register_report
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
@@ -130,6 +141,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
             for rule in names[1:]:
                 folder = os.path.join(_run_dir(args, rule, seed), "patch" if method == "lora" else "model")
                 check_destination(folder, protected=[base], writer="hf_tangent.finetune")
+    check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     held_out, training = map(stacked, text_windows(first, tokenizer, text, seq_len, max_windows, train_windows))
     dataset = lm_dataset(training)

@@ -31,6 +31,7 @@ from .common import (
     Model,
     Text,
     Tokenizer,
+    check_domain_shares,
     entry_point,
     environment,
     refuse_patched,
@@ -123,6 +124,10 @@ def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: di
     healed model, and each patched one's difference from the unpatched model over the same windows
     with its 95 % paired bootstrap interval (the domain's windows resampled). `domains`: name ->
     number of windows, in the order the windows were stacked."""
+    if sum(domains.values()) != len(unpatched_windows) or any(len(r[s]["window_nll"]) != len(unpatched_windows)
+                                                              for r in runs for s in ("untrained", "healed")):
+        raise ValueError(f"domain_summary: the domains' windows {domains} do not add up to the {len(unpatched_windows)} "
+                         "windows scored.")
     out, start = {}, 0
     for name, count in domains.items():
         window = slice(start, start + count)
@@ -133,7 +138,7 @@ def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: di
             row = {"seed": run["seed"]}
             for stage in ("untrained", "healed"):
                 diffs = torch.tensor(run[stage]["window_nll"][window], dtype=torch.float64) - base
-                low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed)
+                low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed) if count > 1 else (None, None)
                 row[stage] = {"nll": float(base.mean() + diffs.mean()), "delta_nll": float(diffs.mean()),
                               "low": low, "high": high}
             entry["runs"].append(row)
@@ -232,6 +237,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
             check_destination(os.path.join(run_dir, "patch"), protected=[_base_of(model)], writer="hf_tangent.heal")
         if save_full_models or (save_models and settings.method == "full"):
             check_destination(os.path.join(run_dir, "model"), protected=[_base_of(model)], writer="hf_tangent.heal")
+    check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
@@ -248,7 +254,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
                              seed=args.seed)
     return Report("heal", {
         "command": "heal", "model": name, "patch": tangent.to_dict(), "settings": dataclasses.asdict(settings),
-        "seeds": list(seeds), "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
+        "seeds": list(seeds), "text": text.describe(training=True, every_domain=True), "seq_len": seq_len, "eval_windows": len(held_out),
         "train_windows": len(dataset), "corpus": text.corpus,
         "train_domains": {n: len(w) for n, w in train_domains.items()},
         "training": training_summary(args) | {
@@ -266,6 +272,13 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
+
+def interval(d: dict) -> str:
+    """delta [low, high]; a domain of one window has no interval."""
+    if d["low"] is None:
+        return f"{d['delta_nll']:+.4f} (one window: no interval)"
+    return f"{d['delta_nll']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+
 
 def heal_markdown(report: dict) -> str:
     t, st, s = report["training"], report["settings"], report["summary"]
@@ -304,8 +317,7 @@ def heal_markdown(report: dict) -> str:
             for r in d["runs"]:
                 u, h = r["untrained"], r["healed"]
                 lines.append(f"| {name} | {d['windows']} | {d['unpatched_nll']:.4f} | {r['seed']} | "
-                             f"{u['delta_nll']:+.4f} [{u['low']:+.4f}, {u['high']:+.4f}] | "
-                             f"{h['delta_nll']:+.4f} [{h['low']:+.4f}, {h['high']:+.4f}] |")
+                             f"{interval(u)} | {interval(h)} |")
     lines += ["", "![heal loss](loss_curves.png)"]
     return "\n".join(lines) + "\n"
 

@@ -127,11 +127,11 @@ class TextSource:
 
     def __post_init__(self):
         check_ranges(self)  # every field's type (ranges.py), as for every options object
-        if self.corpus == "mixed" and not self._offline_default:
+        if self.corpus is not None and not self._offline_default:
             given = [n for n in ("text_files", "dataset", "documents", "calibration_files", "calibration_documents")
                      if getattr(self, n)]
-            raise ValueError(f"corpus='mixed' is the offline text used where none is given, and {' and '.join(given)} "
-                             "given too; accepted: one or the other.")
+            raise ValueError(f"corpus={self.corpus!r} is the offline text used where none is given, and "
+                             f"{' and '.join(given)} given too; accepted: one or the other.")
         given = [n for n in ("text_files", "dataset", "documents") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"pass one evaluation text source, not {' and '.join(given)}.")
@@ -184,9 +184,14 @@ class TextSource:
     def _own_training(self) -> bool:
         return bool(self.calibration_files or self.calibration_documents)
 
+    def _refuse_mixed(self) -> None:
+        if self._mixed:  # one list of documents: the first windows would all be the first domain's text
+            raise ValueError("corpus='mixed' is one text per domain, windowed domain by domain; this recipe reads one "
+                             "text. Accepted: the mixed corpus with heal, calibrate, finetune or eval (evaluate_rules), "
+                             "or corpus='austen' or text of your own here.")
+
     def evaluation_documents(self, *, training: bool = False) -> list[str]:
-        if self._mixed:  # every domain's held-out documents, domain after domain
-            return [d for docs in mixed_documents("heldout").values() for d in docs]
+        self._refuse_mixed()
         if self.documents:
             return list(self.documents)
         if self.dataset:
@@ -197,8 +202,7 @@ class TextSource:
 
     def training_documents(self) -> list[str]:
         """Calibration / training text, never overlapping the evaluation text."""
-        if self._mixed:
-            return [d for docs in mixed_documents("train").values() for d in docs]
+        self._refuse_mixed()
         if self.calibration_documents:
             return list(self.calibration_documents)
         if self.calibration_files:
@@ -219,14 +223,16 @@ class TextSource:
         held_out = max(1, len(docs) // 5)
         return docs[-held_out:], docs[:-held_out]
 
-    def describe(self, *, training: bool = False) -> str | dict[str, str]:
-        """The provenance written into reports: a string, or {evaluation, calibration} with training."""
+    def describe(self, *, training: bool = False, every_domain: bool = False) -> str | dict[str, str]:
+        """The provenance written into reports: a string, or {evaluation, calibration} with training;
+        `every_domain` as in evaluation_domains."""
         files = " ".join(self.text_files or ())
         split = training and self.text_files and not self._own_training
         mixed = f"mixed ({', '.join(DOMAINS)})"
+        every = self._mixed or (every_domain and self._offline_default)
         evaluation = ("user documents" if self.documents else f"{self.dataset}:{self.dataset_split}" if self.dataset
                       else f"{files} (last 20% of documents)" if split else files or (
-                          f"{mixed}:heldout" if self._mixed else "austen:evaluation"))
+                          f"{mixed}:heldout" if every else "austen:evaluation"))
         if not training:
             return evaluation
         calibration = ("user documents" if self.calibration_documents else " ".join(self.calibration_files)
@@ -245,8 +251,7 @@ class TextSource:
 
     def calibration_only_documents(self) -> list[str]:
         """Calibration text for analyses that evaluate nothing (C_l): never the evaluation text."""
-        if self._mixed:
-            return self.training_documents()
+        self._refuse_mixed()
         if self.calibration_documents:
             return list(self.calibration_documents)
         return load_documents(self.calibration_files) if self.calibration_files else load_documents(split="calibration")

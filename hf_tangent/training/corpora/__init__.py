@@ -56,7 +56,12 @@ def corpus_dir() -> Path:
             )
         return Path(override)
     target = cache_dir() / "corpus" / CORPUS_VERSION
-    if _missing(target):
+    missing = _missing(target)
+    if missing and target.exists() and any(target.iterdir()):  # not ours to delete: say what is wrong instead
+        raise FileNotFoundError(f"the corpus cache {target} is incomplete (no documents for {', '.join(missing)}); "
+                                "delete that folder to extract the corpus again, or set "
+                                f"{CORPUS_ENV} to a complete copy.")
+    if missing:
         _extract(target)
     return target
 
@@ -84,9 +89,9 @@ def _extract(target: Path) -> None:
 def domain_documents(domain: str, split: str) -> list[str]:
     """The documents (one string each) of one domain and split ("train" or "heldout"). Austen's
     train split is the calibration novels and its held-out split the evaluation novels (data.py)."""
-    if domain not in DOMAINS:
+    if not isinstance(domain, str) or domain not in DOMAINS:
         raise ValueError(f"unknown corpus domain {domain!r}; accepted: {', '.join(DOMAINS)}.")
-    if split not in SPLITS:
+    if not isinstance(split, str) or split not in SPLITS:
         raise ValueError(f"unknown corpus split {split!r}; accepted: {', '.join(SPLITS)}.")
     if domain == "austen":
         folder = austen_dir()
@@ -99,8 +104,14 @@ def domain_documents(domain: str, split: str) -> list[str]:
 
 def mixed_documents(split: str, domains: Sequence[str] | None = None) -> dict[str, list[str]]:
     """Domain -> documents of one split, for `domains` (all, in DOMAINS order, by default)."""
-    if split not in SPLITS:
+    if not isinstance(split, str) or split not in SPLITS:
         raise ValueError(f"unknown corpus split {split!r}; accepted: {', '.join(SPLITS)}.")
-    if isinstance(domains, str):
-        raise ValueError(f"domains must be a sequence of domain names, not the string {domains!r}.")
-    return {domain: domain_documents(domain, split) for domain in (DOMAINS if domains is None else domains)}
+    if domains is None:
+        domains = list(DOMAINS)
+    if isinstance(domains, str) or not isinstance(domains, Sequence):
+        raise ValueError(f"domains must be a list of domain names (accepted: {', '.join(DOMAINS)}), not "
+                         f"{'the string ' + repr(domains) if isinstance(domains, str) else type(domains).__name__}.")
+    if not domains or len(set(map(str, domains))) != len(domains):
+        raise ValueError(f"domains={list(domains)!r}: accepted: a non-empty list of distinct names among "
+                         f"{', '.join(DOMAINS)}.")
+    return {domain: domain_documents(domain, split) for domain in domains}
