@@ -36,7 +36,8 @@ _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "fin
          "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
          "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
          "HealSettings": "experiments", "LoraSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
-         "pressure": "experiments", "ffn_jacobian": "experiments", "lm_eval": "experiments"}
+         "pressure": "experiments", "ffn_jacobian": "experiments", "lm_eval": "experiments",
+         "merge_lm_eval": "downstream"}  # downstream: takes reports, not a model
 
 
 def __getattr__(name: str):
@@ -49,6 +50,8 @@ def __getattr__(name: str):
             from .experiments import studies as module
         elif _LAZY[name] == "reports":
             from .experiments import report as module
+        elif _LAZY[name] == "downstream":
+            from .experiments import downstream as module
         elif _LAZY[name] == "training":
             from .training import trainer as module
         else:

@@ -19,6 +19,7 @@ from .commands import (
     finetune,
     heal,
     lm_eval,
+    lm_eval_merge,
     parallel_sweep,
     pressure,
     sensitivity,
@@ -46,7 +47,8 @@ COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finet
             parallel_sweep.parallel_sweep_command_parser, study.study_command_parser,
             study_report.study_report_command_parser, heal.heal_command_parser,
             critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser,
-            export.export_command_parser, lm_eval.lm_eval_command_parser)
+            export.export_command_parser, lm_eval.lm_eval_command_parser,
+            lm_eval_merge.lm_eval_merge_command_parser)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

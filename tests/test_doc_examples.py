@@ -191,7 +191,7 @@ def command_lines() -> list[tuple[str, int, list[str]]]:
     found = []
     for page, line, body in blocks("bash"):
         for i, text in enumerate(body.replace("\\\n", " ").splitlines()):
-            for part in re.split(r"&&|;|\|", text):
+            for part in re.split(r"&&|;|\||(?<![<>&])&(?![&>])", text):  # a list, a pipe, a background job (not 2>&1)
                 try:
                     tokens = shlex.split(part, comments=True)
                 except ValueError:

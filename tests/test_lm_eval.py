@@ -298,3 +298,121 @@ def test_smoke_every_shipped_task_end_to_end(tiny):
     for task, metric in (("austen_lastword", "acc"), ("austen_nextsentence", "acc_norm"),
                          ("austen_perplexity", "bits_per_byte")):
         assert report["paired"]["projected"][task][metric]["n"] == 3
+
+
+def test_reports_run_in_parts_merge_into_the_report_of_one_run(tiny, tmp_path):
+    """Parts split by task and by variant (each scores unpatched) merge into what one run over
+    everything gives for every (variant, task) the parts scored: lm-eval's results and the paired
+    differences with their intervals; the CLI writes the same report, and a fresh process reads it."""
+    model, tokenizer, _ = tiny
+    small = {"limit": 4, "bootstrap": 200}
+    whole = ht.lm_eval(model, tokenizer, tasks=["austen_lastword", "austen_nextsentence"],
+                       variants=["unpatched", "projected", "norm_preserving"], **small)
+    parts = [ht.lm_eval(model, tokenizer, tasks=["austen_lastword"], variants=["unpatched", "projected"], **small),
+             ht.lm_eval(model, tokenizer, tasks=["austen_nextsentence"], variants=["unpatched", "projected"], **small),
+             ht.lm_eval(model, tokenizer, tasks=["austen_lastword"], variants=["unpatched", "norm_preserving"], **small)]
+    merged = ht.merge_lm_eval(parts)
+    assert merged["variants"] == ["unpatched", "projected", "norm_preserving"] and merged["limit"] == 4
+    assert merged["tasks"] == ["austen_lastword", "austen_nextsentence"]
+    covered = {("unpatched", "austen_lastword"), ("unpatched", "austen_nextsentence"), ("projected", "austen_lastword"),
+               ("projected", "austen_nextsentence"), ("norm_preserving", "austen_lastword")}
+    for variant, task in covered:
+        assert merged["results"][variant][task] == whole["results"][variant][task]
+        if variant != "unpatched":
+            assert merged["paired"][variant][task] == whole["paired"][variant][task]
+    assert "austen_nextsentence" not in merged["results"]["norm_preserving"]
+    assert merged["seconds"] == pytest.approx(sum(p["seconds"] for p in parts), abs=0.2)
+    assert [p["tasks"] for p in merged["parts"]] == [["austen_lastword"], ["austen_nextsentence"], ["austen_lastword"]]
+    section = merged.to_markdown().split("## austen_nextsentence", 1)[1]
+    assert "| projected |" in section and "| norm_preserving |" not in section  # no row it did not score
+    for k, part in enumerate(parts):
+        part.save(tmp_path / f"part{k}")
+    from hf_tangent import cli
+
+    assert cli.main(["lm-eval-merge", *(str(tmp_path / f"part{k}") for k in range(3)),
+                     "--output_dir", str(tmp_path / "merged")]) == 0
+    script = ("import json, sys; from hf_tangent.experiments.report import Report; "
+              "r = Report.load(sys.argv[1]); print(json.dumps([r['results'], r['paired'], r['limit']]))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "merged" / "report.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == json.loads(json.dumps([merged["results"], merged["paired"], merged["limit"]]))
+    # a merged report merges again, with parts of other limits per task: the limit becomes per task
+    other = ht.lm_eval(model, tokenizer, tasks=["austen_perplexity"], variants=["unpatched"], limit=2, bootstrap=200)
+    again = ht.merge_lm_eval([str(tmp_path / "merged"), other])
+    assert again["limit"] == {"austen_lastword": 4, "austen_nextsentence": 4, "austen_perplexity": 2}
+    assert len(again["parts"]) == 4 and "items per task: austen_lastword 4" in again.to_markdown()
+
+
+def test_merge_refuses_parts_of_different_measurements(tiny, tmp_path):
+    """Parts that are not of one measurement are refused with the reason (never averaged): another
+    limit for the same task, another model or seed, numbers that differ for the same variant on the
+    same items, a report of another kind, fewer than two reports, not a list; the output folder
+    rules of every report writer hold."""
+    import copy
+
+    from hf_tangent import cli
+    from hf_tangent.experiments.report import Report
+
+    model, tokenizer, _ = tiny
+    a = ht.lm_eval(model, tokenizer, tasks=["austen_lastword"], variants=["unpatched"], limit=3, bootstrap=50)
+    b = ht.lm_eval(model, tokenizer, tasks=["austen_lastword"], variants=["unpatched"], limit=4, bootstrap=50)
+    with pytest.raises(ValueError, match="task 'austen_lastword' was scored with limit 3 in one part and 4"):
+        ht.merge_lm_eval([a, b])
+    for key, value in (("model", "another-model"), ("seed", 1), ("bootstrap", 51), ("num_fewshot", 2)):
+        changed = Report("lm-eval", {**copy.deepcopy(a.data), key: value})
+        with pytest.raises(ValueError, match=f"the parts differ in '{key}'"):
+            ht.merge_lm_eval([a, changed])
+    tampered = copy.deepcopy(a.data)
+    tampered["results"]["unpatched"]["austen_lastword"]["acc,none"] += 0.25
+    tampered["seconds"] += 1.0  # another process (the same timing would be a part given twice)
+    with pytest.raises(ValueError, match="'unpatched' on 'austen_lastword' differs between the parts"):
+        ht.merge_lm_eval([a, Report("lm-eval", tampered)])
+    other_kind = tmp_path / "eval_report"
+    other_kind.mkdir()
+    (other_kind / "report.json").write_text(json.dumps({"command": "eval", "rows": []}), encoding="utf-8")
+    with pytest.raises(ValueError, match="not an hf-tangent report|is a 'eval' report|incomplete 'eval' report"):
+        ht.merge_lm_eval([a, str(other_kind)])
+    with pytest.raises(ValueError, match="1 report\\(s\\) given; accepted: two or more"):
+        ht.merge_lm_eval([a])
+    with pytest.raises(TypeError, match="expects a list of lm-eval reports"):
+        ht.merge_lm_eval(str(other_kind))
+    with pytest.raises(TypeError, match="neither a Report nor the path"):
+        ht.merge_lm_eval([a, 3])
+    with pytest.raises(ValueError, match="not a readable report.json"):
+        ht.merge_lm_eval([a, str(tmp_path / "missing.json")])
+    with pytest.raises(ValueError, match="repeats a part already given"):  # its seconds would count twice
+        ht.merge_lm_eval([a, a])
+    other_files = copy.deepcopy(a.data)
+    other_files["task_source"]["austen_lastword"] = "hf_tangent: ... task files version 1"
+    c = ht.lm_eval(model, tokenizer, tasks=["austen_nextsentence"], variants=["unpatched"], limit=3, bootstrap=50)
+    with pytest.raises(ValueError, match="task 'austen_lastword' comes from other task files"):
+        ht.merge_lm_eval([a, c, Report("lm-eval", {**other_files, "variants": ["unpatched"], "seconds": 2.0})])
+    patched = ht.patch(copy.deepcopy(model), ht.TangentConfig(update="projected"))
+    given = [ht.lm_eval(patched, tokenizer, tasks=[t], variants=["unpatched"], limit=3, bootstrap=50)
+             for t in ("austen_lastword", "austen_nextsentence")]
+    with pytest.raises(ValueError, match="'as given' \\(a model object passed in\\) is in part 1"):
+        ht.merge_lm_eval(given)
+    # NaN equals NaN, in memory as read back; only the unpatched model on a task: said so, not "nothing to pair"
+    nan = copy.deepcopy(a.data)
+    nan["results"]["unpatched"]["austen_lastword"]["acc_stderr,none"] = float("nan")
+    nan_part = Report("lm-eval", nan)
+    nan_part.save(tmp_path / "nan")
+    merged = ht.merge_lm_eval([nan_part, c])
+    assert merged["unpaired"] == {"austen_lastword": "only the unpatched model was scored on it in these parts",
+                                  "austen_nextsentence": "only the unpatched model was scored on it in these parts"}
+    loaded = json.loads((tmp_path / "nan" / "report.json").read_text())
+    loaded["seconds"] += 1.0  # another process, the same numbers
+    assert ht.merge_lm_eval([nan_part, Report("lm-eval", loaded)])["variants"] == ["unpatched"]
+    # the command line: never into a user's folder, never over one of its own inputs
+    a.save(tmp_path / "a")
+    c.save(tmp_path / "c")
+    user = tmp_path / "notes"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine", encoding="utf-8")
+    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(user)]) == 2
+    assert [p.name for p in user.iterdir()] == ["notes.txt"] and (user / "notes.txt").read_text() == "mine"
+    before = (tmp_path / "a" / "report.json").read_bytes()
+    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "a")]) == 2
+    assert (tmp_path / "a" / "report.json").read_bytes() == before
+    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "m")]) == 0

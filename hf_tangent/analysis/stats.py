@@ -1,11 +1,14 @@
-"""Paired statistics over seeds: every variant of a seed shares its initial weights and data order,
-so variants are compared by their per-seed differences (the seed-to-seed spread cancels)."""
+"""Paired statistics: over seeds (every variant of a seed shares its initial weights and data order,
+so variants are compared by their per-seed differences: the seed-to-seed spread cancels), and over
+items (documents, windows) scored by two models, by a paired percentile bootstrap."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import statistics
+
+import torch
 
 
 def paired_permutation_test(deltas: list[float]) -> float:
@@ -76,3 +79,19 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     if sa == 0 or sb == 0:
         return None
     return sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True)) / (sa * sb)
+
+
+def bootstrap_interval(strata: list[torch.Tensor], statistic, bootstrap: int, seed: int) -> tuple[float, float]:
+    """95 % percentile interval of statistic(resampled strata, dim=1): each stratum (a task's documents,
+    a domain's windows) is resampled with replacement on its own, so a stratum keeps its size."""
+    g = torch.Generator().manual_seed(seed)
+    draws = [s[torch.randint(0, len(s), (bootstrap, len(s)), generator=g)] for s in strata]
+    values = statistic(draws, 1)
+    low, high = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+def strata_mean(strata: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """The mean over all items of all strata (size-weighted)."""
+    return sum(s.sum(dim) for s in strata) / sum(s.shape[dim] for s in strata)
+

@@ -4,7 +4,7 @@ registers them with report.py; importing them all here keeps that table whole.""
 
 from .analysis import ablate, diagnose_layers, layer_sensitivity, parallel_sweep
 from .calibrate import calibrate_gates
-from .downstream import lm_eval
+from .downstream import lm_eval, merge_lm_eval
 from .evaluate import evaluate_rules
 from .finetune import LoraSettings, finetune
 from .geometry import critical, ffn_jacobian, pressure
@@ -12,5 +12,5 @@ from .heal import HealSettings, HealTrainingArguments, heal
 from .studies import run_study  # noqa: F401  (ht.run_study; and its report kind, "study", registers here)
 
 __all__ = ["HealSettings", "HealTrainingArguments", "LoraSettings", "ablate", "calibrate_gates", "critical", "diagnose_layers",
-           "evaluate_rules", "ffn_jacobian", "finetune", "heal", "layer_sensitivity", "lm_eval", "parallel_sweep",
+           "evaluate_rules", "ffn_jacobian", "finetune", "heal", "layer_sensitivity", "lm_eval", "merge_lm_eval", "parallel_sweep",
            "pressure"]

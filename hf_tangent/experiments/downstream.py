@@ -4,12 +4,14 @@ differences against the unpatched model from lm-eval's per-sample outputs."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import torch
 
 from ..analysis.evaluation import update_variants
+from ..analysis.stats import bootstrap_interval, strata_mean
 from ..artifacts.loading import from_pretrained
 from ..artifacts.patch_repo import is_patch_repo, read_record
 from ..core.patching import get_config, patch, without_patch
@@ -160,20 +162,6 @@ ROLLING_PAIRED = {  # a rolling task's paired differences: ratios of sums over t
 }
 
 
-def _interval(strata: list[torch.Tensor], statistic, bootstrap: int, seed: int) -> tuple[float, float]:
-    """95 % percentile interval of statistic(resampled strata): each stratum (a task's documents) is
-    resampled with replacement on its own, so a group keeps its subtasks' sizes."""
-    g = torch.Generator().manual_seed(seed)
-    draws = [s[torch.randint(0, len(s), (bootstrap, len(s)), generator=g)] for s in strata]
-    values = statistic(draws, 1)
-    low, high = torch.quantile(values, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return low, high
-
-
-def _mean(strata, dim=0):
-    return sum(s.sum(dim) for s in strata) / sum(s.shape[dim] for s in strata)
-
-
 def _ratio(scale):
     def statistic(strata, dim=0):  # columns: (baseline ll - variant ll, count)
         return scale * sum(s.select(-1, 0).sum(dim) for s in strata) / sum(s.select(-1, 1).sum(dim) for s in strata)
@@ -215,8 +203,8 @@ def _paired(variant: dict, baseline: dict, bootstrap: int, seed: int) -> dict:
 
 
 def _summary(strata: list[torch.Tensor], metric: str, bootstrap: int, seed: int) -> dict:
-    statistic = _ratio(ROLLING_PAIRED[metric][1]) if metric in ROLLING_PAIRED else _mean
-    low, high = _interval(strata, statistic, bootstrap, seed)
+    statistic = _ratio(ROLLING_PAIRED[metric][1]) if metric in ROLLING_PAIRED else strata_mean
+    low, high = bootstrap_interval(strata, statistic, bootstrap, seed)
     return {"diff": float(statistic(strata)), "low": low, "high": high, "n": sum(len(s) for s in strata)}
 
 
@@ -228,6 +216,135 @@ def _unpaired(paired: dict, tasks: list[str]) -> dict[str, str]:
             notes[task] = ("no per-sample metric to pair (acc, acc_norm, or a rolling task's log-likelihood) in "
                            "lm-eval's outputs for it or its subtasks; only lm-eval's own stderr")
     return notes
+
+
+# What must agree for reports to be parts of one measurement (the items they score and how).
+MERGE_SAME = ("model", "num_fewshot", "bootstrap", "seed", "dtype", "hf_tangent_version")
+
+
+def task_limit(report: dict, task: str) -> int | None:
+    """The items per task a report was run with: its "limit", or a merged report's per-task entry."""
+    return report["limit"].get(task) if isinstance(report["limit"], dict) else report["limit"]
+
+
+def limit_text(report: dict) -> str:
+    limit = report["limit"]
+    if isinstance(limit, dict):
+        return "items per task: " + ", ".join(f"{t} {n or 'all'}" for t, n in limit.items())
+    return f"{limit or 'all'} items per task"
+
+
+def _same(a, b) -> bool:
+    """Equal as report.json writes them (NaN equals NaN, as a saved report reads back)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def _part_entries(report: dict, name: str) -> list[dict]:
+    return report.get("parts") or [{
+        "report": name, "tasks": report["tasks"], "variants": report["variants"], "limit": report["limit"],
+        "seconds": report["seconds"], "threads": report.get("threads"), "device": report.get("device"),
+        "torch": report.get("torch"), "peak_rss_gb": report.get("peak_rss_gb")}]
+
+
+def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
+    """One `lm-eval` report from parts of one measurement run separately (parallel processes, or
+    machines of one kind): parts may split the tasks, the variants, or both. Refused, with the
+    reason, unless the parts agree on the model, few-shot, bootstrap, seed, dtype and hf_tangent
+    version and, per task, on the limit and the task files; a (variant, task) scored in several
+    parts (every part scores `unpatched`) must have the same lm-eval results and paired difference
+    to the last digit in each, so parts of other models, items, software or hardware are caught
+    there; a part given twice, and "as given" (a model object, which no label identifies) in more
+    than one part, are refused. Labels of saved folders are taken as given: the parts are yours.
+    The merged report keeps each part's tasks, variants, limit, time and environment under "parts";
+    "seconds" is the sum of the parts' processes (each also scored `unpatched`), "limit" one number
+    or a task -> limit map.
+
+    Args:
+        reports: two or more `lm-eval` reports (Report objects or paths of report.json / their folders).
+    """
+    if isinstance(reports, (str, os.PathLike, Report)) or not isinstance(reports, (list, tuple)):
+        raise TypeError(f"merge_lm_eval expects a list of lm-eval reports (Report objects or report.json paths), got "
+                        f"{type(reports).__name__}.")
+    if len(reports) < 2:
+        raise ValueError(f"merge_lm_eval: {len(reports)} report(s) given; accepted: two or more parts of one measurement.")
+    parts, names = [], []
+    for item in reports:
+        if isinstance(item, Report):
+            report, name = item, f"part {len(parts) + 1} (a Report object)"
+        elif isinstance(item, (str, os.PathLike)):
+            path = os.path.join(item, "report.json") if os.path.isdir(item) else item
+            report, name = Report.load(path), str(path)
+        else:
+            raise TypeError(f"merge_lm_eval: {item!r} is neither a Report nor the path of a report.json.")
+        if report.kind != "lm-eval":
+            raise ValueError(f"merge_lm_eval: {name} is a {report.kind!r} report; accepted: lm-eval reports only.")
+        parts.append(report.data)
+        names.append(name)
+    seen: dict[str, str] = {}
+    for part, name in zip(parts, names, strict=True):
+        for entry in _part_entries(part, name):
+            key = json.dumps({**{k: v for k, v in entry.items() if k != "report"}, **{k: part.get(k) for k in MERGE_SAME}},
+                             sort_keys=True, default=str)
+            if key in seen:
+                raise ValueError(f"merge_lm_eval: {name} repeats a part already given ({seen[key]}): each part once.")
+            seen[key] = name
+    given = [name for part, name in zip(parts, names, strict=True) if "as given" in part["variants"]]
+    if len(given) > 1:
+        raise ValueError(f"merge_lm_eval: 'as given' (a model object passed in) is in {', '.join(given)}: nothing says "
+                         "they are one model; accepted: 'as given' in one part only (or save the model and pass its folder).")
+    first = parts[0]
+    for key in MERGE_SAME:
+        values = {json.dumps(p.get(key)) for p in parts}
+        if len(values) > 1:
+            raise ValueError(f"merge_lm_eval: the parts differ in {key!r} ({', '.join(sorted(values))}); accepted: "
+                             "parts of one measurement (same model, few-shot, bootstrap, seed, dtype, hf_tangent version).")
+    limits: dict[str, int | None] = {}
+    sources: dict[str, str | None] = {}
+    variants: list[str] = []
+    results: dict[str, dict] = {}
+    n_samples: dict[str, dict] = {}
+    paired: dict[str, dict] = {}
+    variant_seconds: dict[str, float] = {}
+    for part, name in zip(parts, names, strict=True):
+        for task in part["tasks"]:
+            limit, source = task_limit(part, task), part.get("task_source", {}).get(task)
+            if task in limits and limits[task] != limit:
+                raise ValueError(f"merge_lm_eval: task {task!r} was scored with limit {limits[task]} in one part and "
+                                 f"{limit} in {name}: different items, not parts of one measurement.")
+            if task in sources and sources[task] != source:
+                raise ValueError(f"merge_lm_eval: task {task!r} comes from other task files in {name} ({source!r} "
+                                 f"against {sources[task]!r}).")
+            limits[task], sources[task] = limit, source
+        for variant in part["variants"]:
+            if variant not in variants:
+                variants.append(variant)
+            variant_seconds[variant] = variant_seconds.get(variant, 0.0) + part["variant_seconds"].get(variant, 0.0)
+            for field, merged in (("results", results), ("n_samples", n_samples), ("paired", paired)):
+                for task, value in part[field].get(variant, {}).items():
+                    held = merged.setdefault(variant, {})
+                    if task in held and not _same(held[task], value):
+                        raise ValueError(f"merge_lm_eval: {variant!r} on {task!r} differs between the parts ({field}: "
+                                         f"{held[task]} against {value} in {name}); the same variant on the same items "
+                                         "must give the same numbers: the parts are not of one model, task files, "
+                                         "software and kind of hardware.")
+                    held[task] = value
+    tasks = list(limits)
+    one_limit = len(set(limits.values())) == 1
+    paired = {v: p for v, p in paired.items() if v != "unpatched"}
+    unpaired = _unpaired(paired, [t for t in tasks if any(t in results.get(v, {}) for v in paired)]) if paired else {}
+    unpaired |= {t: "only the unpatched model was scored on it in these parts" for t in tasks
+                 if not any(t in results.get(v, {}) for v in paired)}
+    return Report("lm-eval", {
+        **{key: first.get(key) for key in MERGE_SAME}, "command": "lm-eval", "tasks": tasks, "variants": variants,
+        "limit": next(iter(limits.values())) if one_limit else limits,
+        "include_path": sorted({p["include_path"] for p in parts if p.get("include_path")}) or None,
+        "task_source": {t: s for t, s in sources.items() if s is not None},
+        "results": results, "n_samples": n_samples, "paired": paired,
+        "groups": {g: s for p in parts for g, s in p.get("groups", {}).items()}, "unpaired": unpaired,
+        "variant_seconds": variant_seconds, "seconds": round(sum(p["seconds"] for p in parts), 1),
+        "parts": [entry for p, name in zip(parts, names, strict=True) for entry in _part_entries(p, name)],
+        **{key: first.get(key) for key in ("torch", "python", "device", "threads")},
+        "peak_rss_gb": max((p.get("peak_rss_gb") or 0.0) for p in parts)})
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
@@ -245,10 +362,12 @@ def report_tasks(report: dict) -> list[str]:
 
 def lm_eval_markdown(report: dict) -> str:
     lines = [f"# hf-tangent lm-eval: {report['model']}", "",
-             f"EleutherAI's LM Evaluation Harness on the model in memory; {report['limit'] or 'all'} items per task, "
+             f"EleutherAI's LM Evaluation Harness on the model in memory; {limit_text(report)}, "
              f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
              f"paired bootstrap interval ({report['bootstrap']} resamples; bits_per_byte and word_nll, nats per word, "
-             f"as ratios of sums over the documents); {report['seconds']} s."]
+             f"as ratios of sums over the documents); {report['seconds']} s"
+             + (f" in all, in {len(report['parts'])} parts merged by `hf-tangent lm-eval-merge`" if report.get("parts")
+                else "") + "."]
     for task in report_tasks(report):
         source = report.get("task_source", {}).get(task)
         group = report.get("groups", {}).get(task)
@@ -260,7 +379,9 @@ def lm_eval_markdown(report: dict) -> str:
         header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in paired]]
         lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
         for variant in report["variants"]:
-            values = report["results"][variant].get(task, {})
+            if task not in report["results"][variant]:  # a merged report: a part that did not score this variant on it
+                continue
+            values = report["results"][variant][task]
             cells = []
             for m in metrics:
                 stderr = values.get(m.replace(",", "_stderr,", 1))

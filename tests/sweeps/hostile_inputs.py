@@ -587,6 +587,24 @@ def heal_cases(tmp: Path, folder: Path):
                  "accepted: a TangentConfig")
     expect_ok("heal", "ht.heal is callable twice", lambda: callable(ht.heal) and callable(ht.heal)
               and not isinstance(ht.heal, type(ht)))
+    # the offline corpus option (TextSource.corpus) and the corpus API
+    from hf_tangent.training import corpora
+
+    for case, fn, message in [
+            ("TextSource(corpus='wiki')", lambda: ht.TextSource(corpus="wiki"), "corpus"),
+            ("TextSource(corpus=3)", lambda: ht.TextSource(corpus=3), "corpus"),
+            ("TextSource(corpus='mixed', text_files=...)", lambda: ht.TextSource(
+                corpus="mixed", text_files=(str(AUSTEN / "emma.txt"),)), "text_files given too"),
+            ("domain_documents('wikipedia', 'train')", lambda: corpora.domain_documents("wikipedia", "train"),
+             "unknown corpus domain 'wikipedia'; accepted: austen, "),
+            ("domain_documents('austen', 'test')", lambda: corpora.domain_documents("austen", "test"),
+             "unknown corpus split 'test'; accepted: train, heldout"),
+            ("mixed_documents('train', 'austen') (a string, not a list)",
+             lambda: corpora.mixed_documents("train", "austen"), "not the string 'austen'")]:
+        expect_error("heal", case, fn, message)
+    expect_ok("heal", "TextSource(corpus='mixed') trains on every domain and holds out every domain",
+              lambda: list(ht.TextSource(corpus="mixed").training_domains()) == list(corpora.DOMAINS)
+              == list(ht.TextSource(corpus="austen").evaluation_domains(training=True, every_domain=True)))
 
 
 def adapters_cases(tmp: Path, folder: Path):
@@ -796,6 +814,31 @@ def lm_eval_cases(tmp: Path, folder: Path):
         return same(before, fingerprint(m)) and report.data["variants"] == ["as given", "unpatched"]
 
     expect_ok("lm_eval", "a patched model is scored as given and comes back unchanged", patched_model_scored_as_given)
+
+    # merge_lm_eval / hf-tangent lm-eval-merge: parts of one measurement or a refusal naming why
+    import copy
+
+    from hf_tangent.experiments.report import Report
+
+    part = ht.lm_eval(model, tokenizer=tokenizer, **small)
+    more = ht.lm_eval(model, tokenizer=tokenizer, **(small | dict(limit=3)))
+    tampered = copy.deepcopy(part.data)
+    tampered["results"]["unpatched"]["austen_lastword"]["acc,none"] = float("nan")
+    tampered["seconds"] += 1.0  # another process
+    for case, reports, message in [
+            ("merge_lm_eval([])", [], "0 report(s) given"),
+            ("merge_lm_eval(one report)", [part], "1 report(s) given"),
+            ("merge_lm_eval('a path', not a list)", str(tmp), "expects a list of lm-eval reports"),
+            ("merge_lm_eval([report, None])", [part, None], "neither a Report nor the path"),
+            ("merge_lm_eval with a missing report.json", [part, str(tmp / "missing.json")], "not a readable report.json"),
+            ("merge_lm_eval of limit 2 and limit 3 of one task", [part, more], "scored with limit 2 in one part and 3"),
+            ("merge_lm_eval with NaN for the same variant on the same items", [part, Report("lm-eval", tampered)],
+             "differs between the parts"),
+            ("merge_lm_eval of another model", [part, Report("lm-eval", {**part.data, "model": "other"})],
+             "the parts differ in 'model'")]:
+        expect_error("lm_eval", case, lambda r=reports: ht.merge_lm_eval(r), message)
+    expect_error("lm_eval", "merge_lm_eval of a report with itself (a part twice)", lambda: ht.merge_lm_eval([part, part]),
+                 "repeats a part already given")
 
 
 def options_cases(tmp: Path):

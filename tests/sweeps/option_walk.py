@@ -69,8 +69,11 @@ COMMAND_FUNCTIONS = {"eval": "evaluate_rules", "calibrate": "calibrate_gates", "
                      "diagnose": "diagnose_layers", "ablate": "ablate", "sensitivity": "layer_sensitivity",
                      "parallel-sweep": "parallel_sweep", "study": "run_study", "heal": "heal", "critical": "critical",
                      "pressure": "pressure", "ffn-jacobian": "ffn_jacobian", "lm-eval": "lm_eval",
-                     "export": None, "study-report": None}
+                     "export": None, "study-report": None, "lm-eval-merge": None}
 COMMAND_POSITIONALS = {"study": ["noise"]}
+# Report-returning functions with no options to walk: merge_lm_eval takes only the reports to merge
+# (its hostile cases: hostile_inputs.lm_eval_cases and tests/test_lm_eval.py).
+NOT_RECIPES = {"merge_lm_eval"}
 
 
 @dataclasses.dataclass
@@ -94,7 +97,7 @@ def api_functions() -> dict[str, typing.Callable]:
     out = {}
     for name in ht.__all__:
         obj = getattr(ht, name)
-        if inspect.isfunction(obj) and typing.get_type_hints(obj).get("return") is Report:
+        if inspect.isfunction(obj) and typing.get_type_hints(obj).get("return") is Report and name not in NOT_RECIPES:
             out[name] = obj
     return out
 
