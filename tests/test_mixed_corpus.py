@@ -124,3 +124,37 @@ def test_corpus_api_refuses_hostile_domains_and_an_incomplete_cache(tmp_path, mo
     with pytest.raises(FileNotFoundError, match="is incomplete \\(no documents for python/heldout, gnu/train"):
         corpora.corpus_dir()
     assert (partial / "x.txt").read_text(encoding="utf-8") == "some text"
+
+
+def test_eval_of_a_healed_patch_repo_compares_with_the_base_not_the_adapted_weights(tiny_lm_folder, tmp_path):
+    """A patch repo with LoRA adapters loads as a PeftModel: its "unpatched" row used to be the model with
+    the rule off but the adapters on (so a heal looked better or worse than it was); it is the base now,
+    checked against the base's own NLL on the same windows, and the report says what the row is."""
+    from transformers import LlamaForCausalLM
+
+    from hf_tangent.artifacts.models import load_tokenizer
+
+    common = ["--model", str(tiny_lm_folder), "--seq-len", "32", "--max-windows", "2", "--max-steps", "3",
+              "--per-device-train-batch-size", "4", "--update", "projected", "--train-windows", "12",
+              "--learning-rate", "0.05", "--save-models", "true", "--output-dir", str(tmp_path / "heal")]
+    assert cli.main(["heal", *common]) == 0
+    repo = tmp_path / "heal" / "runs" / "seed0" / "patch"
+    assert cli.main(["eval", "--model", str(repo), "--corpus", "mixed", "--updates", "unpatched", "--seq_len", "32",
+                     "--max_windows", "2", "--output_dir", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["unpatched_is"] == "the base model (the patch repo's adapters off)"
+    tokenizer = load_tokenizer(str(tiny_lm_folder))
+    base = LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval()
+    healed = ht.from_pretrained(str(repo), merge=True).eval()
+    heal = json.loads((tmp_path / "heal" / "report.json").read_text())
+    for name in corpora.DOMAINS:
+        windows = pack_windows(tokenizer, corpora.domain_documents(name, "heldout"), 32, 2)
+        rows = {r["variant"]: r for r in report["domains"][name]["rows"]}
+        assert rows["unpatched"]["nll"] == pytest.approx(sum(nll_with_ffn_rule(base, w[None]) for w in windows) / 2,
+                                                         rel=1e-5)
+        with torch.no_grad():
+            own = sum(healed(w[None], labels=w[None]).loss.item() for w in windows) / 2
+        assert rows["saved patch (as loaded)"]["nll"] == pytest.approx(own, rel=1e-4)
+        # the same figures as the heal's own per-domain report
+        assert rows["saved patch (as loaded)"]["delta_nll"] == pytest.approx(
+            heal["domains"][name]["runs"][0]["healed"]["delta_nll"], abs=1e-4)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..analysis.ablation import paired_bootstrap
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
 from ..core.patching import get_config, without_patch
+from ..core.wrappers import peft_model_of
 from ..ranges import DType, validated
 from ..training.data import TextSource
 from .common import (
@@ -58,8 +61,14 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
             result = perplexity(model, held_out, batch_size=batch_size, progress=bar)
             saved_row = {"variant": "saved patch (as loaded)", "config": loaded.to_dict(), "nll": result["nll"],
                          "perplexity": result["perplexity"], "tokens": result["tokens"], "window_nll": result["window_nll"]}
-        with without_patch(model):
+        peft = peft_model_of(model)  # a patch repo with LoRA adapters: the comparison rows run on the base
+        with without_patch(model), (peft.disable_adapter() if peft is not None else contextlib.nullcontext()):
             rows = evaluate_variants(model, held_out, names, batch_size=batch_size, progress=bar)
+    # what the "unpatched" row is: the base itself, unless the weights given were trained (a complete folder
+    # of a healed / fine-tuned model, or a model object with merged adapters): then those weights without the patch
+    baseline = ("the model as given" if loaded is None else "the base model (the patch repo's adapters off)"
+                if peft is not None else "the loaded weights with the patch off (a saved folder's weights may have "
+                "been trained: compare with the base's own eval)")
     if saved_row is not None:
         saved_row["delta_nll"] = saved_row["nll"] - rows[0]["nll"]
         saved_row["delta_perplexity"] = saved_row["perplexity"] - rows[0]["perplexity"]
@@ -71,7 +80,7 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     return Report("eval", {
         "command": "eval", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
         "tokens_per_variant": rows[0]["tokens"], "seconds": clock.seconds,
-        **environment(device, next(model.parameters()).dtype, seed), "rows": rows,
+        **environment(device, next(model.parameters()).dtype, seed), "rows": rows, "unpatched_is": baseline,
         **({"domains": per_domain} if per_domain else {}),
     })
 
@@ -102,7 +111,8 @@ def eval_markdown(report: dict) -> str:
         "",
         f"Text: {report['text']}; {report['windows']} windows x {report['seq_len']} tokens "
         f"({report['tokens_per_variant']} predicted tokens per variant); dtype {report['dtype']}, "
-        f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained.",
+        f"device {report['device']}, {report['seconds']} s. Every rule is applied to every layer, untrained."
+        + (f" The unpatched row is {report['unpatched_is']}." if report.get("unpatched_is") else ""),
         "",
         variants_table(report["rows"]),
     ] + _domains_table(report)) + "\n"
