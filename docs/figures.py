@@ -697,17 +697,19 @@ def core_modules(body: str) -> str:
 
 
 # ----------------------------------------------------------------------------- docs/lm-eval.md
-LM_EVAL_REPORT = "lm_eval/report.json"
-LM_EVAL_FOLDERS = {  # the saved folders of the kept run: what they hold, and the report of the run that made them
-    "main_job_run/model": ("calibrated gates (main job, full folder)", "offline_default_smollm2.json",
-                           lambda r: r["heldout"]["delta_nll"]),
-    "heal_default/runs/seed0/patch": ("healed: heal_default, 40 steps (patch repo)", "lm_eval/heal_default.json",
-                                      lambda r: r["summary"]["healed_delta_nll"]),
-    "heal_long/runs/seed0/patch": ("healed: heal_long, 120 steps (patch repo)", "lm_eval/heal_long.json",
+LM_EVAL_MODELS = "lm_eval/models/report.json"  # the measured models (merged parts), and the rules' perplexity
+LM_EVAL_RULES = "lm_eval/rules/report.json"  # the untrained rules on the multiple-choice tasks, fewer items
+LM_EVAL_VERSION1 = "lm_eval/version1/report.json"  # the previous task version's run (a record)
+LM_EVAL_FOLDERS = {  # the saved patches of the kept runs: what they hold, and the report of the run that made them
+    "main_job/patch": ("calibrated gates (main job, patch repo)", "lm_eval/main_job.json",
+                       lambda r: r["heldout"]["delta_nll"]),
+    "heal_long/runs/seed0/patch": ("healed: heal_long, projected, 120 steps (patch repo)", "lm_eval/heal_long.json",
                                    lambda r: r["summary"]["healed_delta_nll"]),
-    "heal_parallel/runs/seed0/patch": ("healed: heal_parallel (8 parallel layers), 40 steps (patch repo)",
+    "heal_parallel/runs/seed0/patch": ("healed: heal_parallel, 8 parallel layers, 60 steps (patch repo)",
                                        "lm_eval/heal_parallel.json", lambda r: r["summary"]["healed_delta_nll"]),
 }
+LM_EVAL_METRICS = ("acc", "acc_norm", "word_perplexity", "bits_per_byte")  # lm-eval's, as the table shows them
+LM_EVAL_PAIRED = ("acc", "acc_norm", "bits_per_byte", "word_nll")
 
 
 def _lm_eval_folder(label: str):
@@ -725,30 +727,117 @@ def _lm_eval_held_out(label: str, rules: dict):
     return rules.get(label) if entry is None else entry[2](report(entry[1]))
 
 
+def _lm_eval_parts(r: dict) -> str:
+    if not r.get("parts"):
+        return f"{minutes(r['seconds'])} on this CPU ({r['threads']} thread(s))"
+    parts = r["parts"]
+    threads = sorted({str(p.get("threads")) for p in parts})
+    return (f"{minutes(r['seconds'])} of process time in all on this CPU ({len(parts)} part(s) of "
+            f"{'/'.join(map(str, threads))} thread(s), two at a time, merged by `hf-tangent lm-eval-merge`; "
+            + "; ".join(f"{', '.join(p['tasks'])} x {len(p['variants'])} variants: {minutes(p['seconds'])}" for p in parts)
+            + ")")
+
+
+def _lm_eval_tables(r: dict, held_out: dict) -> list[str]:
+    out = []
+    for task in r["tasks"]:
+        variants = [v for v in r["variants"] if task in r["results"][v]]
+        metrics = [m for m in LM_EVAL_METRICS if any(f"{m},none" in r["results"][v][task] for v in variants)]
+        paired = [m for m in LM_EVAL_PAIRED if any(m in p.get(task, {}) for p in r["paired"].values())]
+        rows = []
+        for variant in variants:
+            values, p = r["results"][variant][task], r["paired"].get(variant, {}).get(task, {})
+            cells = [f"{values[f'{m},none']:.4g}" + (f" ± {values[f'{m}_stderr,none']:.2g}"
+                                                     if isinstance(values.get(f"{m}_stderr,none"), float) else "")
+                     for m in metrics]
+            cells += ["-" if m not in p else f"{signed(p[m]['diff'], 4)} [{signed(p[m]['low'], 4)}, {signed(p[m]['high'], 4)}]"
+                      for m in paired]
+            delta = _lm_eval_held_out(variant, held_out)
+            rows.append([_lm_eval_label(variant), *cells, "-" if delta is None else signed(delta, 4)])
+        n = r["n_samples"]["unpatched"][task]
+        unit = "chapters" if "bits_per_byte" in metrics else "items"
+        out.append(f"**{task}** ({n['effective']} of {n['original']} {unit})\n\n" + table(
+            ["variant", *metrics, *[f"delta {m} [95% CI]" for m in paired], "held-out Delta L"], rows,
+            "---" + "|---:" * (len(metrics) + len(paired) + 1)))
+    return out
+
+
+def lm_eval_results() -> str:
+    """The measured tables: the trained models on every task (merged parts) and the untrained rules."""
+    models, rules = report(LM_EVAL_MODELS), report(LM_EVAL_RULES)
+    held_out = {row["variant"]: row["delta_nll"] for row in report("eval_smollm2.json")["rows"]}
+    windows = "; ".join(sorted({f"{_lm_eval_label(v)}: {w['eval_windows']} x {w['seq_len']} tokens"
+                                for v in models["variants"] if _lm_eval_folder(v) for w in [report(_lm_eval_folder(v)[1])]}))
+    out = [f"`hf-tangent lm-eval` on {models['model']}, {models['num_fewshot'] or 0}-shot, task version "
+           f"{next(iter(models['task_source'].values())).rsplit(' ', 1)[-1]}, {_lm_eval_parts(models)} "
+           "([report](results/lm_eval/models/report.md)). Differences against the unpatched model over the same items, "
+           f"95% paired bootstrap interval ({models['bootstrap']} resamples of the items; of the chapters for "
+           "austen_perplexity, whose bits_per_byte and word_nll, nats per word, are ratios of sums). The last column is "
+           "the variant's held-out Delta L in nats per token: from `hf-tangent eval` (README, 16 x 256 tokens of Emma) "
+           f"for the update rules, from the report of the run that saved it for a patch ({windows}).\n"]
+    out += _lm_eval_tables(models, held_out)
+    out.append(f"\n**The untrained rules on the multiple-choice tasks** ({rules['limit']} items per task, "
+               f"{_lm_eval_parts(rules)}; [report](results/lm_eval/rules/report.md)):\n")
+    out += _lm_eval_tables(rules, held_out)
+    return "\n".join(out)
+
+
+def lm_eval_findings() -> str:
+    """Per variant (both kept runs together): which paired differences the measurement resolves (95%
+    interval excluding zero), and the widest interval of the trained models' accuracy differences
+    against the +-3-point target."""
+    models, rules = report(LM_EVAL_MODELS), report(LM_EVAL_RULES)
+    held_out = {row["variant"]: row["delta_nll"] for row in report("eval_smollm2.json")["rows"]}
+    found: dict[str, tuple[list, list]] = {}
+    widest = (0.0, "", "")
+    for r in (models, rules):
+        for variant, tasks in r["paired"].items():
+            resolved, unresolved = found.setdefault(variant, ([], []))
+            for task, metrics in tasks.items():
+                for metric, d in metrics.items():
+                    scale, digits, unit = (100, 1, " points") if metric in ("acc", "acc_norm") else (1, 4, "")
+                    text = (f"{task} {metric} {signed(d['diff'] * scale, digits)}{unit} "
+                            f"[{signed(d['low'] * scale, digits)}, {signed(d['high'] * scale, digits)}]")
+                    (resolved if d["low"] > 0 or d["high"] < 0 else unresolved).append(text)
+                    if r is models and scale == 100 and (d["high"] - d["low"]) / 2 > widest[0]:
+                        widest = ((d["high"] - d["low"]) / 2, _lm_eval_label(variant), f"{task} {metric}")
+    lines = []
+    for variant, (resolved, unresolved) in found.items():
+        delta = _lm_eval_held_out(variant, held_out)
+        lines.append(f"- **{_lm_eval_label(variant)}** (held-out Delta L {'-' if delta is None else signed(delta, 4)}): "
+                     f"resolved: {'; '.join(resolved) or 'none'}; within noise: {'; '.join(unresolved) or 'none'}.")
+    return (f"The widest 95% interval of a trained model's accuracy difference: +-{widest[0] * 100:.1f} points "
+            f"({widest[1]}, {widest[2]}); the measurement asked for at most +-3.\n\n" + "\n".join(lines) + "\n")
+
+
 LM_EVAL_BASELINES = "lm_eval/task_baselines.json"
 
 
 def lm_eval_baselines() -> str:
     """No-model baselines of the shipped tasks and of the previous task version (benchmarks/task_baselines.py),
-    next to the unpatched model's accuracy measured on the previous version (the kept lm-eval report)."""
-    b, r = report(LM_EVAL_BASELINES), report(LM_EVAL_REPORT)
+    next to the models' accuracy on each version (the kept lm-eval runs)."""
+    b, now_run, before_run = report(LM_EVAL_BASELINES), report(LM_EVAL_MODELS), report(LM_EVAL_VERSION1)
     shipped, previous = b["shipped"], b["previous"]
     out = [f"`benchmarks/task_baselines.py` on the shipped task files and on the previous version (commit "
            f"`{previous['commit']}`); n-gram model fitted on the calibration novels ({', '.join(b['calibration_novels'])}); "
            "expected accuracy under random tie-breaking (last word: a case-insensitive match, an upper bound of lm-eval's "
-           "acc). The model rows: the kept lm-eval run, measured on the previous version only.\n"]
+           "acc). The model rows (bold): the kept lm-eval runs (items scored: in each task's heading).\n"]
     for task in ("austen_nextsentence", "austen_lastword"):
         now, before = shipped[task], previous[task]
         chance = "" if now["chance"] is None else f", chance {now['chance']:.2f}"
         rows = [[name, p["what"], f"{p['acc']:.4f}", f"{before['predictors'][name]['acc']:.4f}"]
                 for name, p in now["predictors"].items()]
-        for metric in ("acc", "acc_norm"):
-            value = r["results"]["unpatched"].get(task, {}).get(f"{metric},none")
-            if value is not None:
-                n = r["n_samples"]["unpatched"][task]["effective"]
-                rows.append([f"**{r['model']} unpatched, {metric}**", f"the model ({n} items of the previous version)",
-                             "to be re-measured", f"{value:.4f}"])
-        out.append(f"**{task}** ({now['items']} items now, {before['items']} before{chance})\n\n" + table(
+        for variant in now_run["variants"]:
+            for metric in ("acc", "acc_norm"):
+                value = now_run["results"][variant].get(task, {}).get(f"{metric},none")
+                if value is None:
+                    continue
+                old = before_run["results"].get(variant, {}).get(task, {}).get(f"{metric},none")
+                rows.append([f"**{_lm_eval_label(variant)}, {metric}**", "the model",
+                             f"{value:.4f}", "-" if old is None else f"{old:.4f}"])
+        scored = (f"; models on the first {now_run['n_samples']['unpatched'][task]['effective']} items now, "
+                  f"{before_run['n_samples']['unpatched'][task]['effective']} before")
+        out.append(f"**{task}** ({now['items']} items now, {before['items']} before{chance}{scored})\n\n" + table(
             ["predictor", "what it reads", "shipped version", "previous version"], rows, "---|---|---:|---:"))
     return "\n".join(out)
 
@@ -758,39 +847,107 @@ def lm_eval_data_size() -> str:
     return f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB"
 
 
-def lm_eval_results() -> str:
-    r = report(LM_EVAL_REPORT)
-    held_out = {row["variant"]: row["delta_nll"] for row in report("eval_smollm2.json")["rows"]}
-    out = [f"`hf-tangent lm-eval` on {r['model']}, {r['limit']} items per task, {r['num_fewshot'] or 0}-shot, "
-           f"{minutes(r['seconds'])} on this CPU ({r['threads']} thread(s); [report](results/lm_eval/report.md)); differences against the "
-           f"unpatched model over the same items with a 95% paired bootstrap interval ({r['bootstrap']} resamples); "
-           "the last column is the variant's held-out Delta L: from `hf-tangent eval` (README) for the update rules, from "
-           "the report of the run that saved it for a folder (its own held-out windows: "
-           + "; ".join(sorted({f"{_lm_eval_label(v)}: {w['eval_windows']} x {w['seq_len']} tokens" for v in r["variants"]
-                               if _lm_eval_folder(v) for w in [report(_lm_eval_folder(v)[1])]})) + ").\n"]
-    for task in r["tasks"]:
-        metrics = [m for m in ("acc", "acc_norm", "perplexity")
-                   if any(f"{m},none" in res.get(task, {}) for res in r["results"].values())]
-        paired = [m for m in ("acc", "acc_norm") if any(m in p.get(task, {}) for p in r["paired"].values())]
+# ----------------------------------------------------------------------------- docs/recipes.md (the mixed corpus)
+CORPUS_SOURCES = "corpus/sources.json"  # SOURCES of the extracted corpus (hf_tangent.training.corpora), kept
+
+
+def corpus_sources() -> str:
+    r = report(CORPUS_SOURCES)
+    rows = [["austen", "r-cran-janeaustenr", "public domain", "three novels (calibration)", "two novels (Emma, Mansfield Park)",
+             "early 19th-century fiction"]]
+    for name, d in r["domains"].items():
+        rows.append([name, f"{d['package']} {d['version'].split()[-1]}", d["licence"],
+                     f"{d['train']['documents']} docs, {d['train']['words']:,} words",
+                     f"{d['heldout']['documents']} docs, {d['heldout']['words']:,} words", d["description"]])
+    sizes = r["sizes"]
+    return (f"Extracted here from Debian bookworm (kept: `docs/results/corpus/sources.json`); training text capped at "
+            f"{sizes['train_max_words']:,} words and held-out text at {sizes['heldout_max_words']:,} words per domain "
+            f"(at least {sizes['heldout_min_words']:,}).\n\n"
+            + table(["domain", "package", "licence", "train", "held out", "what"], rows, "---|---|---|---:|---:|---"))
+
+
+# ----------------------------------------------------------------------------- docs/recipes.md (healing per domain)
+HEAL_DOMAINS = "heal/domains"  # issue 37: the heals trained on Austen only and on the mixed corpus, every held-out domain
+HEAL_DOMAIN_RUNS = {  # patch: (label, Austen-only heal report, its per-domain eval, mixed-corpus heal report (if run),
+    # the untrained patch's per-domain eval and its row there)
+    "projected": ("projected, 120 steps (heal_long)", "heal_long_austen/report.json", "heal_long_austen/eval.json",
+                  "heal_long_mixed/report.json", "untrained_eval.json", "projected"),
+    "parallel": ("8 parallel layers, 60 steps (heal_parallel)", "heal_parallel_austen/report.json",
+                 "heal_parallel_austen/eval.json", "heal_parallel_mixed/report.json", "parallel_untrained_eval.json",
+                 "saved patch (as loaded)"),
+}
+
+
+def _ci(d: dict) -> str:
+    return signed(d["delta_nll"], 4) + ("" if d.get("low") is None else f" [{signed(d['low'], 4)}, {signed(d['high'], 4)}]")
+
+
+def _domain_rows(evaluation: dict, domain: str, unpatched: float, windows: int) -> dict:
+    rows = {r["variant"]: r for r in evaluation["domains"][domain]["rows"]}
+    if abs(rows["unpatched"]["nll"] - unpatched) > 1e-4 or evaluation["domains"][domain]["windows"] != windows:
+        raise ValueError(f"heal-domains, {domain}: the per-domain reports scored other windows")
+    return rows
+
+
+def heal_domains() -> str:
+    """Per held-out domain: the unpatched NLL, the untrained patch, and the patch healed on Austen only
+    and (where measured) on the mixed corpus: differences from the unpatched model over the same windows."""
+    out = []
+    for label, austen_report, austen_eval, mixed_report, untrained_eval, untrained_row in HEAL_DOMAIN_RUNS.values():
+        austen, evaluation = report(f"{HEAL_DOMAINS}/{austen_report}"), report(f"{HEAL_DOMAINS}/{austen_eval}")
+        untrained = report(f"{HEAL_DOMAINS}/{untrained_eval}")
+        mixed = report(f"{HEAL_DOMAINS}/{mixed_report}") if (RESULTS / HEAL_DOMAINS / mixed_report).is_file() else None
         rows = []
-        for variant in r["variants"]:
-            values, p = r["results"][variant][task], r["paired"].get(variant, {}).get(task, {})
-            cells = [f"{values[f'{m},none']:.4g}" + (f" ± {values[f'{m}_stderr,none']:.3g}"
-                                                     if isinstance(values.get(f"{m}_stderr,none"), float) else "")
-                     for m in metrics]
-            cells += ["-" if m not in p else f"{signed(p[m]['diff'], 4)} [{signed(p[m]['low'], 4)}, {signed(p[m]['high'], 4)}]"
-                      for m in paired]
-            delta = _lm_eval_held_out(variant, held_out)
-            rows.append([_lm_eval_label(variant), *cells, "-" if delta is None else signed(delta, 4)])
-        n = r["n_samples"][r["variants"][0]][task]
-        out.append(f"**{task}** ({n['effective']} of {n['original']} items)\n\n" + table(
-            ["variant", *metrics, *[f"delta {m} [95% CI]" for m in paired], "held-out Delta L"], rows,
-            "---" + "|---:" * (len(metrics) + len(paired) + 1)))
-    return "\n".join(out)
+        for domain, d in evaluation["domains"].items():
+            base = _domain_rows(evaluation, domain, evaluation["domains"][domain]["rows"][0]["nll"], d["windows"])
+            first = _domain_rows(untrained, domain, base["unpatched"]["nll"], d["windows"])
+            m = mixed["domains"][domain] if mixed else None
+            if m and (abs(m["unpatched_nll"] - base["unpatched"]["nll"]) > 1e-4 or m["windows"] != d["windows"]):
+                raise ValueError(f"heal-domains, {domain}: the mixed heal scored other windows")
+            before = m["runs"][0]["untrained"] if m else first.get(untrained_row)
+            rows.append([domain, str(d["windows"]), f"{base['unpatched']['nll']:.4f}", _ci(before) if before else "-",
+                         _ci(base["saved patch (as loaded)"]), _ci(m["runs"][0]["healed"]) if m else "not measured"])
+        trained = (f"mixed: {', '.join(f'{n} {k}' for n, k in mixed['train_domains'].items())} training windows, "
+                   f"{minutes(mixed['seconds'])}; " if mixed else "")
+        out.append(f"**{label}** (seed {austen['seeds'][0]}, {austen['training']['max_steps']} steps; {trained}Austen only: "
+                   f"{austen['train_windows']} windows of the calibration novels, {minutes(austen['seconds'])})\n\n" + table(
+                       ["held-out domain", "windows", "unpatched NLL", "untrained patch", "healed on Austen only",
+                        "healed on the mixed corpus"], rows, "---|---:|---:|---:|---:|---:"))
+    return ("Delta NLL against the unpatched model (nats per token) over each domain's first held-out windows of 256 "
+            "tokens, 95% paired bootstrap interval over the windows; kept under `docs/results/heal/domains/` (the heal "
+            "reports, `hf-tangent eval --corpus mixed` of each patch, the patch repos).\n\n" + "\n\n".join(out))
+
+
+def heal_domains_findings() -> str:
+    """What the per-domain table says, from the same reports."""
+    lines = []
+    for label, _, austen_eval, mixed_report, untrained_eval, untrained_row in HEAL_DOMAIN_RUNS.values():
+        evaluation, untrained = report(f"{HEAL_DOMAINS}/{austen_eval}"), report(f"{HEAL_DOMAINS}/{untrained_eval}")
+        healed = {d: {r["variant"]: r for r in v["rows"]}["saved patch (as loaded)"] for d, v in evaluation["domains"].items()}
+        before = {d: {r["variant"]: r for r in v["rows"]}[untrained_row] for d, v in untrained["domains"].items()}
+        others = [d for d in healed if d != "austen"]
+        low = min(healed[d]["delta_nll"] for d in others)
+        high = max(healed[d]["delta_nll"] for d in others)
+        above = sum(healed[d]["low"] > 0 for d in others)
+        kept = [1 - healed[d]["delta_nll"] / before[d]["delta_nll"] for d in others]
+        lines.append(
+            f"- **{label}**, trained on the novels only: {signed(healed['austen']['delta_nll'], 4)} nats on held-out "
+            f"Austen, {signed(low, 3)} to {signed(high, 3)} on the other {len(others)} domains ({above} of them with "
+            f"the whole interval above zero); of the untrained damage there "
+            f"({signed(min(before[d]['delta_nll'] for d in others), 3)} to "
+            f"{signed(max(before[d]['delta_nll'] for d in others), 3)}) the heal removed "
+            f"{min(kept):.0%} to {max(kept):.0%}, against {1 - healed['austen']['delta_nll'] / before['austen']['delta_nll']:.0%} "
+            "on Austen." + ("" if (RESULTS / HEAL_DOMAINS / mixed_report).is_file() else
+                            " The same heal on the mixed corpus: not measured yet."))
+    return "\n".join(lines)
 
 
 REGIONS = {
+    "heal-domains": heal_domains,
+    "heal-domains-findings": heal_domains_findings,
+    "corpus-sources": corpus_sources,
     "lm-eval-results": lm_eval_results,
+    "lm-eval-findings": lm_eval_findings,
     "lm-eval-data-size": lm_eval_data_size,
     "lm-eval-baselines": lm_eval_baselines,
     "core-modules": core_modules,

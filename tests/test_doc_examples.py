@@ -142,8 +142,11 @@ def scale_down(mp, experiments, common, training):
         return windows(model, tokenizer, documents, min(seq_len, SCALE["seq_len"]),
                        min(max_windows or SCALE["max_windows"], SCALE["max_windows"]))
 
-    for name in ("analysis", "calibrate", "evaluate", "finetune", "heal"):
-        mp.setattr(importlib.import_module(f"{experiments.__name__}.{name}"), "windows", small_windows)
+    mp.setattr(common, "windows", small_windows)  # domain_windows / text_windows (calibrate, eval, finetune, heal)
+    for name in ("analysis", "calibrate", "evaluate", "finetune", "heal"):  # the recipes that window a text themselves
+        module = importlib.import_module(f"{experiments.__name__}.{name}")
+        if hasattr(module, "windows"):
+            mp.setattr(module, "windows", small_windows)
     post_init = training.TangentTrainingArguments.__post_init__
 
     def few_steps(self):
