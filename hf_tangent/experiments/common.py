@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..analysis.ablation import paired_bootstrap
 from ..artifacts.models import load_model
 from ..core._version import __version__
 from ..core.patching import get_config, preserved, require_model
@@ -142,6 +143,31 @@ def spread(domains: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         if len(picked) >= n:
             break
     return torch.stack(picked[:n])
+
+
+def domain_slices(counts: dict[str, int]) -> dict[str, slice]:
+    """Each domain's windows in the stacked held-out windows (domain after domain)."""
+    out, start = {}, 0
+    for name, count in counts.items():
+        out[name] = slice(start, start + count)
+        start += count
+    return out
+
+
+def paired_window_difference(values: list[float], base: list[float], bootstrap: int, seed: int) -> dict:
+    """{nll, delta_nll, low, high}: the mean NLL of `values` and its difference from `base` over the same
+    windows, with a 95 % paired bootstrap interval (none for a single window)."""
+    base_t = torch.tensor(base, dtype=torch.float64)
+    diffs = torch.tensor(values, dtype=torch.float64) - base_t
+    low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed) if len(diffs) > 1 else (None, None)
+    return {"nll": float(base_t.mean() + diffs.mean()), "delta_nll": float(diffs.mean()), "low": low, "high": high}
+
+
+def interval(d: dict) -> str:
+    """delta [low, high]; a domain of one window has no interval."""
+    if d["low"] is None:
+        return f"{d['delta_nll']:+.4f} (one window: no interval)"
+    return f"{d['delta_nll']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
 
 
 def environment(device, dtype, seed) -> dict:

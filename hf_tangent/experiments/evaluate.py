@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from ..analysis.ablation import paired_bootstrap
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
 from ..core.patching import get_config, without_patch
 from ..core.wrappers import peft_model_of
@@ -17,14 +14,16 @@ from .common import (
     Model,
     Text,
     Tokenizer,
+    domain_slices,
     domain_windows,
     entry_point,
     environment,
+    interval,
+    paired_window_difference,
     progress_bar,
     resolve_model,
     stacked,
 )
-from .heal import interval
 from .report import Report, register_report, variants_table
 
 
@@ -88,19 +87,10 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
 def domain_rows(rows: list[dict], counts: dict[str, int], seed: int, bootstrap: int = 2000) -> dict:
     """Per held-out domain (its windows, in the order they were stacked): each variant's NLL and its
     difference from the first row (unpatched) over the same windows, 95 % paired bootstrap interval."""
-    out, start = {}, 0
-    for domain, count in counts.items():
-        window = slice(start, start + count)
-        start += count
-        base = torch.tensor(rows[0]["window_nll"][window], dtype=torch.float64)
-        entries = []
-        for row in rows:
-            diffs = torch.tensor(row["window_nll"][window], dtype=torch.float64) - base
-            low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed) if count > 1 else (None, None)
-            entries.append({"variant": row["variant"], "nll": float(base.mean() + diffs.mean()),
-                            "delta_nll": float(diffs.mean()), "low": low, "high": high})
-        out[domain] = {"windows": count, "rows": entries}
-    return out
+    return {domain: {"windows": counts[domain], "rows": [
+        {"variant": row["variant"], **paired_window_difference(row["window_nll"][window], rows[0]["window_nll"][window],
+                                                               bootstrap, seed)} for row in rows]}
+            for domain, window in domain_slices(counts).items()}
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

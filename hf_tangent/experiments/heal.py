@@ -11,7 +11,6 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..analysis.ablation import paired_bootstrap
 from ..analysis.evaluation import perplexity
 from ..analysis.stats import paired_permutation_test
 from ..artifacts.hub import save_hub_folder
@@ -32,8 +31,11 @@ from .common import (
     Text,
     Tokenizer,
     check_domain_shares,
+    domain_slices,
     entry_point,
     environment,
+    interval,
+    paired_window_difference,
     refuse_patched,
     resolve_model,
     stacked,
@@ -128,20 +130,12 @@ def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: di
                                                               for r in runs for s in ("untrained", "healed")):
         raise ValueError(f"domain_summary: the domains' windows {domains} do not add up to the {len(unpatched_windows)} "
                          "windows scored.")
-    out, start = {}, 0
-    for name, count in domains.items():
-        window = slice(start, start + count)
-        start += count
-        base = torch.tensor(unpatched_windows[window], dtype=torch.float64)
-        entry = {"windows": count, "unpatched_nll": float(base.mean()), "runs": []}
-        for run in runs:
-            row = {"seed": run["seed"]}
-            for stage in ("untrained", "healed"):
-                diffs = torch.tensor(run[stage]["window_nll"][window], dtype=torch.float64) - base
-                low, high = paired_bootstrap(diffs, n_boot=bootstrap, seed=seed) if count > 1 else (None, None)
-                row[stage] = {"nll": float(base.mean() + diffs.mean()), "delta_nll": float(diffs.mean()),
-                              "low": low, "high": high}
-            entry["runs"].append(row)
+    out = {}
+    for name, window in domain_slices(domains).items():
+        base = unpatched_windows[window]
+        entry = {"windows": domains[name], "unpatched_nll": sum(base) / len(base), "runs": [
+            {"seed": run["seed"], **{stage: paired_window_difference(run[stage]["window_nll"][window], base, bootstrap, seed)
+                                     for stage in ("untrained", "healed")}} for run in runs]}
         entry["healed_delta_nll"] = sum(r["healed"]["delta_nll"] for r in entry["runs"]) / len(runs)
         entry["untrained_delta_nll"] = sum(r["untrained"]["delta_nll"] for r in entry["runs"]) / len(runs)
         out[name] = entry
@@ -272,13 +266,6 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.
-
-def interval(d: dict) -> str:
-    """delta [low, high]; a domain of one window has no interval."""
-    if d["low"] is None:
-        return f"{d['delta_nll']:+.4f} (one window: no interval)"
-    return f"{d['delta_nll']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
-
 
 def heal_markdown(report: dict) -> str:
     t, st, s = report["training"], report["settings"], report["summary"]
