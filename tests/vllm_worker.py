@@ -1,6 +1,13 @@
 """Serve a folder with vLLM (CPU, float32, eager) and write greedy tokens and their logprobs as JSON:
-python tests/vllm_worker.py FOLDER OUT.json [trust] [transformers]. Run in an environment with vLLM."""
+python tests/vllm_worker.py FOLDER OUT.json [trust] [transformers] [bfloat16] [compile]. Run in an environment
+with vLLM. `compile` serves with vLLM's compilation on (its CPU default: dynamo traced once, inductor).
 
+python tests/vllm_worker.py --loop: one process for many folders (vLLM's import, most of a serve's time, paid
+once): reads lines `{"folder": ..., "out": ..., "flags": [...]}` from stdin, serves each folder with an engine
+of its own (released before the next) and answers each line with the line DONE once the output is written
+(vLLM's own log lines go to stdout too)."""
+
+import gc
 import json
 import os
 import sys
@@ -10,23 +17,40 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome, clever, and rich,",
            "The family of Dashwood had long been settled in"]
 TOKENS = 32
+DONE = "hf_tangent vllm_worker: done"
+
+
+def serve(folder: str, out: str, flags: list[str]) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"trust_remote_code": "trust" in flags}
+    if "transformers" in flags:
+        kwargs["model_impl"] = "transformers"
+    try:
+        llm = LLM(folder, dtype="bfloat16" if "bfloat16" in flags else "float32", enforce_eager="compile" not in flags,
+                  max_model_len=512, seed=0, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the refusal is the result
+        json.dump({"refused": f"{type(err).__name__}: {err}"}, open(out, "w"))
+        return
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1))
+        json.dump({"outputs": [{"tokens": list(o.outputs[0].token_ids),
+                                "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
+                                                                          strict=True)]}
+                               for o in outs]}, open(out, "w"))
+    finally:
+        del llm
+        gc.collect()
 
 
 def main():
-    from vllm import LLM, SamplingParams
-
-    kwargs = {"trust_remote_code": "trust" in sys.argv[3:]}
-    if "transformers" in sys.argv[3:]:
-        kwargs["model_impl"] = "transformers"
-    try:
-        llm = LLM(sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512, seed=0, **kwargs)
-    except Exception as err:  # noqa: BLE001 - the refusal is the result
-        json.dump({"refused": f"{type(err).__name__}: {err}"}, open(sys.argv[2], "w"))
+    if sys.argv[1:] == ["--loop"]:
+        for line in sys.stdin:
+            request = json.loads(line)
+            serve(request["folder"], request["out"], request["flags"])
+            print(DONE, flush=True)
         return
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=TOKENS, logprobs=1))
-    json.dump({"outputs": [{"tokens": list(o.outputs[0].token_ids),
-                            "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]}
-                           for o in outs]}, open(sys.argv[2], "w"))
+    serve(sys.argv[1], sys.argv[2], sys.argv[3:])
 
 
 if __name__ == "__main__":

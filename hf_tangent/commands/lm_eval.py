@@ -28,6 +28,27 @@ class LmEvalArguments(Checked):
     num_fewshot: int | None = field(default=None, metadata={"help": "few-shot examples (lm-eval's default: the task's)"})
     limit: int | None = field(default=None, metadata={"help": "items per task (default: all)"})
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples of the paired 95% intervals"})
+    backend: str = field(default="hf", metadata={
+        "help": "hf: lm-eval's HFLM on the model in memory; vllm: lm-eval's VLLM, every variant written as a complete "
+                "folder and served by vLLM with hf_tangent's plugin (needs vLLM: docs/serving.md)",
+        "choices": ["hf", "vllm"]})
+    vllm_args: str | None = field(default=None, metadata={
+        "help": "with --backend vllm: vllm.LLM arguments as lm-eval writes model_args, "
+                "e.g. enforce_eager=True,gpu_memory_utilization=0.3,max_model_len=512 (a CPU)"})
+
+
+def parse_vllm_args(text: str | None) -> dict | None:
+    """"key=value,key=value" as lm-eval parses its model_args (values as Python literals where they are)."""
+    if text is None:
+        return None
+    entries = [e for e in text.split(",") if e.strip()]
+    bad = [e for e in entries if "=" not in e or not e.split("=", 1)[0].strip()]
+    if bad or not entries:
+        raise ValueError(f"--vllm_args {text!r}: accepted: key=value pairs separated by commas, "
+                         "e.g. enforce_eager=True,gpu_memory_utilization=0.3")
+    from lm_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(text)
 
 
 def lm_eval_command_parser(subparsers):
@@ -41,12 +62,14 @@ def lm_eval_command(args) -> int:
 
     model, run, options = dataclasses_of(args.parser, args)
     require_lm_eval()  # before any model is loaded
+    vllm_args = parse_vllm_args(options.vllm_args)
     preflight(run, output_dir=run.output_dir, device=run.device)
     from ..experiments.downstream import lm_eval
 
     report = lm_eval(model.model, tasks=options.tasks, variants=options.variants,
                      model_folders=options.model_folders or [], include_path=options.include_path,
                      num_fewshot=options.num_fewshot, limit=options.limit, batch_size=run.batch_size,
-                     bootstrap=options.bootstrap, dtype=model.dtype, device=run.device, seed=run.seed)
+                     bootstrap=options.bootstrap, dtype=model.dtype, device=run.device, seed=run.seed,
+                     backend=options.backend, vllm_args=vllm_args)
     report.save(run.output_dir, echo=True)
     return 0

@@ -32,7 +32,14 @@ from .config import TangentConfig
 from .destinations import AtomicSave
 from .discovery import register_unpatching, require_verified, resolve_spec
 from .layer import TangentLayer
-from .registry import BASE_TYPE_ATTR, CONFIG_KEY, PATCHED_CLASS_PREFIX, ArchitectureSpec, base_model_type
+from .registry import (
+    BASE_TYPE_ATTR,
+    CONFIG_KEY,
+    PATCHED_CLASS_PREFIX,
+    ArchitectureSpec,
+    base_model_type,
+    get_registered,
+)
 from .wrappers import ddp_wrapper_of, model_class, require_model, sharding_engine, unwrap
 
 CHILD_NAME = "tangent_patch"
@@ -259,6 +266,21 @@ def patch(model, config: TangentConfig):
     Patching again replaces the patch. The call is atomic: if anything is wrong (the model, the
     config, a layer), it raises and the model keeps its previous patch, gate values included.
     """
+    return _patch(model, config, verify=True)
+
+
+def patch_saved(model, config: TangentConfig):
+    """`patch` without the verification probe, for a model built from a saved patch record (verified when it
+    was saved) inside an engine where a probe forward cannot run: vLLM's Transformers backend, whose
+    attention needs the engine's forward context. The spec must be known without a probe: the registry's, or
+    the one the saved record carries."""
+    if get_registered(model) is None:
+        raise ValueError(f"hf_tangent: {type(model).__name__} has no registry entry and no saved spec, so its "
+                         "architecture must be discovered and verified by a probe forward, which cannot run here.")
+    return _patch(model, config, verify=False)
+
+
+def _patch(model, config: TangentConfig, *, verify: bool):
     if not isinstance(config, TangentConfig):
         raise TypeError(f"hf_tangent.patch expects a TangentConfig, got {type(config).__name__}.")
     config = config.frozen_copy()  # validated again: fields set after construction are checked too
@@ -273,7 +295,7 @@ def patch(model, config: TangentConfig):
             stacklevel=2,
         )
         parallel -= set(already)
-    verification = _verify(model, spec, layers, config, updated, parallel)
+    verification = _verify(model, spec, layers, config, updated, parallel) if verify else None
     children = []
     for i in sorted(updated | parallel):
         child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)

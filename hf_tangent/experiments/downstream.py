@@ -4,9 +4,11 @@ differences against the unpatched model from lm-eval's per-sample outputs."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
+import tempfile
 
 import torch
 
@@ -15,7 +17,15 @@ from ..analysis.stats import bootstrap_interval, strata_mean
 from ..artifacts.loading import from_pretrained
 from ..artifacts.patch_repo import is_patch_repo, read_record
 from ..core.patching import get_config, patch, without_patch
-from ..integrations.harness.run import PAIRED_METRICS, evaluate, require_lm_eval, task_manager
+from ..integrations.harness.run import (
+    BACKENDS,
+    PAIRED_METRICS,
+    evaluate,
+    require_lm_eval,
+    require_vllm,
+    task_manager,
+    vllm_lm,
+)
 from ..integrations.harness.tasks import TASK_VERSION, TASKS
 from ..ranges import DType, at_least, validated
 from . import plots
@@ -31,7 +41,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
             variants: list[str] = ("unpatched", "projected"), model_folders: list[str] = (),
             include_path: str | os.PathLike | None = None, num_fewshot: int | None = None,
             limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: DType = "float32",
-            device: str | None = None, seed: int = 0) -> Report:
+            device: str | None = None, seed: int = 0, backend: str = "hf", vllm_args: dict | None = None) -> Report:
     """Downstream accuracy of every variant on lm-eval tasks (the `lm-eval` report): the metrics
     exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task (a group's
     subtasks included), and per variant the paired difference of each per-sample metric against
@@ -51,8 +61,13 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         model_folders: saved patched folders or patch repos (healed, converted), evaluated as loaded.
         include_path: a folder of the user's own task YAMLs; num_fewshot, limit (items per task),
             batch_size: as lm-eval's; bootstrap: resamples of the paired intervals; dtype, device, seed.
+        backend: "hf" (lm-eval's HFLM on the model in memory) or "vllm" (lm-eval's VLLM: every variant is
+            written as a complete folder, in a temporary folder, and served by vLLM with hf_tangent's plugin;
+            a complete folder in model_folders is served as it is); vllm_args: keyword arguments of vllm.LLM
+            (on a CPU: enforce_eager, gpu_memory_utilization, max_model_len; docs/serving.md).
     """
     require_lm_eval()
+    vllm_args = _check_backend(backend, vllm_args)
     known = update_variants()
     unknown = [v for v in variants if v not in known]
     if unknown:
@@ -66,27 +81,54 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
+    if backend == "vllm":
+        _check_served(model)
+    scratch = tempfile.TemporaryDirectory(prefix="hf_tangent_vllm_") if backend == "vllm" else None
     clock = Clock()
     runs, seconds = {}, {}
 
-    def run(label, candidate):
+    def run(label, candidate, folder=None):
         started = Clock()
-        runs[label] = evaluate(candidate, tokenizer, list(tasks), manager, num_fewshot=num_fewshot, limit=limit,
-                               batch_size=batch_size, seed=seed)
+        options = dict(num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed)
+        if backend == "hf":
+            runs[label] = evaluate(candidate, tokenizer, list(tasks), manager, **options)
+        else:
+            with tempfile.TemporaryDirectory(dir=scratch.name) as written:
+                lm = vllm_lm(folder or _complete_folder(candidate, tokenizer, written), tokenizer=tokenizer_folder,
+                             batch_size=batch_size, seed=seed, vllm_args=vllm_args,
+                             dtype=str(next(candidate.parameters()).dtype).removeprefix("torch."))
+                try:
+                    runs[label] = evaluate(lm, tokenizer, list(tasks), manager, **options)
+                finally:  # the engine's memory, before the next variant's
+                    del lm
+                    gc.collect()
         seconds[label] = started.seconds
 
-    if get_config(model) is not None:
-        run("as given", model)
-    with without_patch(model):
-        for variant in ["unpatched", *[v for v in variants if v != "unpatched"]]:
-            if known[variant] is not None:
-                patch(model, known[variant])
-            run(variant, model.eval())
-    for folder in model_folders:
-        merge = {"merge": True} if is_patch_repo(folder) else {}  # LoRA of a patch repo merged; a full folder has none
-        loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
-        run(str(folder), loaded.eval())
-        del loaded
+    tokenizer_folder = None
+    if scratch is not None:  # every variant is scored with this tokenizer, as with backend="hf"
+        tokenizer_folder = os.path.join(scratch.name, "tokenizer")
+        tokenizer.save_pretrained(tokenizer_folder)
+
+    try:
+        if get_config(model) is not None:
+            run("as given", model)
+        with without_patch(model):
+            for variant in ["unpatched", *[v for v in variants if v != "unpatched"]]:
+                if known[variant] is not None:
+                    patch(model, known[variant])
+                run(variant, model.eval())
+        for folder in model_folders:
+            repo = is_patch_repo(folder)
+            if backend == "vllm" and not repo:  # a complete folder: served as saved
+                run(str(folder), model, folder=str(folder))
+                continue
+            merge = {"merge": True} if repo else {}  # LoRA of a patch repo merged; a full folder has none
+            loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
+            run(str(folder), loaded.eval())
+            del loaded
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     paired = {label: _paired(runs[label], runs["unpatched"], bootstrap, seed) for label in runs if label != "unpatched"}
     return Report("lm-eval", {
         "command": "lm-eval", "model": name, "tasks": list(tasks), "variants": list(runs),
@@ -97,7 +139,58 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "groups": runs["unpatched"]["groups"],
         "unpaired": _unpaired(paired, list(tasks)) if paired else {}, "variant_seconds": seconds, "seconds": clock.seconds,
+        "backend": backend, "vllm_args": vllm_args,
         **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)})
+
+
+VLLM_ARGS_SET_HERE = ("model", "pretrained", "dtype", "seed", "batch_size", "tokenizer")
+
+
+def _check_backend(backend: str, vllm_args) -> dict | None:
+    """The backend and vLLM's arguments, checked before any model is loaded."""
+    if backend not in BACKENDS:
+        raise ValueError(f"hf_tangent.lm_eval: backend={backend!r}; accepted: {', '.join(map(repr, BACKENDS))}.")
+    if backend == "hf":
+        if vllm_args is not None:
+            raise ValueError("hf_tangent.lm_eval: vllm_args are for backend='vllm'; with backend='hf' pass none.")
+        return None
+    if vllm_args is not None and (not isinstance(vllm_args, dict) or not all(isinstance(k, str) for k in vllm_args)):
+        raise ValueError(f"hf_tangent.lm_eval: vllm_args={vllm_args!r}; accepted: a dict of vllm.LLM keyword arguments.")
+    fixed = sorted(set(vllm_args or {}) & set(VLLM_ARGS_SET_HERE))
+    if fixed:
+        raise ValueError(f"hf_tangent.lm_eval: vllm_args {fixed} are set by lm_eval itself (the variant's folder, dtype=, "
+                         "seed=, batch_size=, the model's tokenizer); pass them as lm_eval's own arguments.")
+    require_vllm()
+    return dict(vllm_args or {})
+
+
+def _check_served(model) -> None:
+    """backend="vllm": the base family must be one the plugin serves, and a patched model passed in ("as given")
+    one it serves patched: refused before any variant is scored."""
+    from ..core.registry import base_model_type
+    from ..integrations.vllm.plugin import SUPPORTED
+
+    family = base_model_type(model.config)
+    if family not in SUPPORTED:
+        raise ValueError(f"hf_tangent.lm_eval: backend='vllm' serves patched folders of {', '.join(SUPPORTED)} "
+                         f"(docs/serving.md); this model is {family!r}: use backend='hf'.")
+    config = get_config(model)
+    if config is not None and "attention" in config.branches and config.update != "add":
+        raise ValueError("hf_tangent.lm_eval: backend='vllm' does not serve branches=('ffn', 'attention') (the model "
+                         "passed in); use backend='hf'.")
+
+
+def _complete_folder(model, tokenizer, folder: str) -> str:
+    """`model` as vLLM serves it: a complete folder (patched: hf_tangent's format, which the plugin serves
+    patched or refuses; unpatched: transformers' own), with the tokenizer."""
+    from ..artifacts.hub import save_hub_folder
+
+    if get_config(model) is not None:
+        save_hub_folder(model, folder, tokenizer=tokenizer)
+    else:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _vocab_size(config: dict) -> int | None:
@@ -219,7 +312,8 @@ def _unpaired(paired: dict, tasks: list[str]) -> dict[str, str]:
 
 
 # What must agree for reports to be parts of one measurement (the items they score and how).
-MERGE_SAME = ("model", "num_fewshot", "bootstrap", "seed", "dtype", "hf_tangent_version")
+MERGE_SAME = ("model", "num_fewshot", "bootstrap", "seed", "dtype", "hf_tangent_version", "backend", "vllm_args")
+MERGE_DEFAULTS = {"backend": "hf", "vllm_args": None}  # reports written before the vLLM backend
 
 
 def task_limit(report: dict, task: str) -> int | None:
@@ -283,7 +377,7 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
     seen: dict[str, str] = {}
     for part, name in zip(parts, names, strict=True):
         for entry in _part_entries(part, name):
-            key = json.dumps({**{k: v for k, v in entry.items() if k != "report"}, **{k: part.get(k) for k in MERGE_SAME}},
+            key = json.dumps({**{k: v for k, v in entry.items() if k != "report"}, **{k: part.get(k, MERGE_DEFAULTS.get(k)) for k in MERGE_SAME}},
                              sort_keys=True, default=str)
             if key in seen:
                 raise ValueError(f"merge_lm_eval: {name} repeats a part already given ({seen[key]}): each part once.")
@@ -294,10 +388,11 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
                          "they are one model; accepted: 'as given' in one part only (or save the model and pass its folder).")
     first = parts[0]
     for key in MERGE_SAME:
-        values = {json.dumps(p.get(key)) for p in parts}
+        values = {json.dumps(p.get(key, MERGE_DEFAULTS.get(key))) for p in parts}
         if len(values) > 1:
             raise ValueError(f"merge_lm_eval: the parts differ in {key!r} ({', '.join(sorted(values))}); accepted: "
-                             "parts of one measurement (same model, few-shot, bootstrap, seed, dtype, hf_tangent version).")
+                             "parts of one measurement (same model, few-shot, bootstrap, seed, dtype, hf_tangent version, "
+                             "backend and vLLM arguments).")
     limits: dict[str, int | None] = {}
     sources: dict[str, str | None] = {}
     variants: list[str] = []
@@ -335,7 +430,7 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
     unpaired |= {t: "only the unpatched model was scored on it in these parts" for t in tasks
                  if not any(t in results.get(v, {}) for v in paired)}
     return Report("lm-eval", {
-        **{key: first.get(key) for key in MERGE_SAME}, "command": "lm-eval", "tasks": tasks, "variants": variants,
+        **{key: first.get(key, MERGE_DEFAULTS.get(key)) for key in MERGE_SAME}, "command": "lm-eval", "tasks": tasks, "variants": variants,
         "limit": next(iter(limits.values())) if one_limit else limits,
         "include_path": sorted({p["include_path"] for p in parts if p.get("include_path")}) or None,
         "task_source": {t: s for t, s in sources.items() if s is not None},

