@@ -416,3 +416,31 @@ def test_merge_refuses_parts_of_different_measurements(tiny, tmp_path):
     assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "a")]) == 2
     assert (tmp_path / "a" / "report.json").read_bytes() == before
     assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "m")]) == 0
+
+
+def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path, monkeypatch):
+    """task_manager: lm-eval's TaskManager (about 20 s to index lm-eval's own tasks) is reused while the task
+    folders hold the same files, and built again when a task file is added or edited."""
+    import lm_eval.tasks
+
+    from hf_tangent.integrations.harness import run
+
+    built = []
+
+    class Recording:
+        def __init__(self, include_path):
+            built.append(list(include_path))
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    run._task_manager.cache_clear()
+    (tmp_path / "a.yaml").write_text("task: a\n")
+    first = run.task_manager(str(tmp_path))
+    assert run.task_manager(str(tmp_path)) is first and len(built) == 1
+    assert built[0] == [str(run.task_folder()), str(tmp_path)]
+    (tmp_path / "b.yaml").write_text("task: b\n")  # a task added
+    second = run.task_manager(str(tmp_path))
+    assert second is not first and len(built) == 2
+    (tmp_path / "b.yaml").write_text("task: b\nversion: 2\n")  # a task edited (another size)
+    assert run.task_manager(str(tmp_path)) is not second and len(built) == 3
+    assert run.task_manager() is not first and len(built) == 4  # the shipped tasks alone
+    run._task_manager.cache_clear()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
+import os
 
 from .tasks import task_folder
 
@@ -30,11 +32,27 @@ def require_vllm() -> None:
 
 
 def task_manager(include_path: str | None = None):
-    """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder."""
+    """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder: built once per
+    process and task folders' contents (indexing lm-eval's own tasks takes about 20 s, every call)."""
+    paths = (str(task_folder()),) + ((str(include_path),) if include_path else ())
+    return _task_manager(paths, tuple(_files_of(path) for path in paths))
+
+
+def _files_of(folder: str) -> tuple:
+    """(name, size, mtime) of every file under `folder`: a task file added or edited builds a new index."""
+    found = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            stat = os.stat(os.path.join(root, name))
+            found.append((os.path.join(root, name), stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(paths: tuple[str, ...], contents: tuple):
     from lm_eval.tasks import TaskManager
 
-    paths = [str(task_folder())] + ([str(include_path)] if include_path else [])
-    return TaskManager(include_path=paths)
+    return TaskManager(include_path=list(paths))
 
 
 def vllm_lm(folder: str, *, tokenizer: str, dtype: str, batch_size: int, seed: int, vllm_args: dict | None = None):
