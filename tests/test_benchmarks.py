@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_tangent.analysis.timing import interleaved_ratio
+from hf_tangent.analysis.timing import interleaved_ratio, interleaved_ratios
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -66,6 +66,39 @@ def test_memory_suite_counts_exactly_what_the_fused_update_saves(rule):
     layers, d = base.config.num_hidden_layers, base.config.hidden_size
     assert patch_overhead.saved_bytes(patched, ids) - patch_overhead.saved_bytes(base, ids) == layers * 2 * 24 * d * 4
 
+
+
+def test_interleaved_ratios_share_one_baseline_and_rotate_the_order():
+    """A fake clock: the baseline takes 1 s; candidate k takes k + 1 s times its factor in round i."""
+    factors = {"a": [1.0, 1.1, 0.9, 1.2, 1.0, 1.3], "b": [2.0, 1.8, 2.2, 2.0, 2.4, 1.6], "c": [0.5, 0.6, 0.4, 0.5, 0.7, 0.5]}
+    now, calls = [0.0], []
+    warm = {name: 2 for name in factors}
+
+    def clock():
+        return now[0]
+
+    def baseline():
+        calls.append("base")
+        now[0] += 1.0
+
+    def make(name):
+        def run():
+            calls.append(name)
+            if warm[name]:
+                warm[name] -= 1
+                now[0] += 1.0
+            else:
+                now[0] += factors[name][sum(1 for c in calls if c == name) - 3]
+        return run
+
+    result = interleaved_ratios(baseline, {n: make(n) for n in factors}, repeats=6, warmup=2, clock=clock)
+    rounds = [calls[8 + 4 * i: 12 + 4 * i] for i in range(6)]
+    assert all(sorted(r) == ["a", "b", "base", "c"] for r in rounds)
+    assert len({r[0] for r in rounds}) >= 3  # no one function always runs first
+    for name, values in factors.items():
+        assert result[name]["ratios"] == pytest.approx(values)
+        assert result[name]["ratio_median"] == pytest.approx(float(np.median(values)))
+        assert result[name]["baseline_median_s"] == 1.0
 
 def test_patch_overhead_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "tiny.json"

@@ -12,6 +12,7 @@ from torch import nn
 
 from .calls import call_key
 from .config import NOISE_UPDATES, TangentConfig
+from .cpu_update import check_setting
 from .fused import fused_residual_delta
 from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec
@@ -79,7 +80,9 @@ class TangentLayer(nn.Module):
                 rule = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
             else:
                 rule = fused_residual_delta if c.implementation == "fused" else residual_delta
-            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
+            extra = {"kernel": not self.training} if rule is fused_residual_delta else {}
+            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate,
+                         **extra)
         if self.blend != 1.0:  # the homotopy (1 - lambda) y + lambda (x_next - x), in float32; lambda = 0 gives y exactly
             delta = torch.lerp(y.float(), delta.float(), self.blend).to(y.dtype)
         return delta
@@ -181,6 +184,8 @@ class TangentLayer(nn.Module):
     def prepare(self, spec: ArchitectureSpec, layer: nn.Module, *, exact_in_training: bool = True) -> None:
         """Everything that can fail, before the model is touched."""
         self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
+        if self.config.implementation == "fused":
+            check_setting()  # HF_TANGENT_CPU_KERNEL, refused by name here rather than at the first small call
         if self.config.implementation == "triton":
             _load_triton()
         if self.parallel and self.config.parallel_execution == "fused":

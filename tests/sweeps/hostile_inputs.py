@@ -946,6 +946,98 @@ def tiny_model_folder(tmp: Path) -> Path:
     return tmp / "tiny"
 
 
+@contextlib.contextmanager
+def kernel_setting(**env):
+    """The CPU update kernel loaded afresh under these environment variables (None: unset), then as before."""
+    import os
+
+    from hf_tangent.core import cpu_update
+
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_state = dict(cpu_update._STATE)
+    try:
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        cpu_update._STATE.clear()
+        yield cpu_update
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        cpu_update._STATE.clear()
+        cpu_update._STATE.update(saved_state)
+
+
+def cpu_kernel_cases(tmp: Path):
+    from hf_tangent.core.fused import _forward, fused_residual_delta
+    from hf_tangent.core.rules import residual_delta
+
+    x, y = torch.randn(3, 1, 48), torch.randn(3, 1, 48)
+    plain = _forward(x, y, None, "retract", 1.0, 1.0, 1.0, 1e-6, "absolute")[0]
+    for value in ("false", "", " 0", "2", "yes"):
+        with kernel_setting(HF_TANGENT_CPU_KERNEL=value):
+            expect_error("cpu_kernel", f"HF_TANGENT_CPU_KERNEL={value!r}", lambda: fused_residual_delta(x, y, "retract"),
+                         "accepted: '1' (use the CPU update kernel")
+            model = make_tiny("llama")
+            expect_error("cpu_kernel", f"HF_TANGENT_CPU_KERNEL={value!r} at patch time",
+                         lambda m=model: ht.patch(m, ht.TangentConfig(update="retract")),
+                         "accepted: '1' (use the CPU update kernel", model)
+    with kernel_setting(HF_TANGENT_CPU_KERNEL="0") as k:
+        expect_ok("cpu_kernel", "HF_TANGENT_CPU_KERNEL='0': the tensor ops, bit for bit",
+                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain))
+    with kernel_setting(CC=str(tmp / "no-such-cc"), HF_TANGENT_CACHE=str(tmp / "cache-cc")) as k:
+        expect_ok("cpu_kernel", "CC that does not exist: the tensor ops, bit for bit",
+                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain))
+    blocker = tmp / "cache-is-a-file"
+    blocker.write_bytes(b"user data")
+    with kernel_setting(HF_TANGENT_CACHE=str(blocker)) as k:
+        expect_ok("cpu_kernel", "a cache folder that is a file: the tensor ops, the file untouched",
+                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain)
+                  and blocker.read_bytes() == b"user data")
+    with kernel_setting(CC="cc -Wall", HF_TANGENT_CACHE=str(tmp / "cache-flags")) as k:
+        expect_ok("cpu_kernel", "CC with flags ('cc -Wall')", lambda: k.kernel() is not None
+                  and torch.allclose(fused_residual_delta(x, y, "retract"), plain, rtol=1e-5, atol=1e-6))
+    for gate, name in ((torch.tensor([float("nan")]), "a NaN gate"), (torch.tensor([0.5], dtype=torch.bfloat16), "a bf16 gate"),
+                       (torch.tensor([-2.0]), "a negative gate"), (torch.tensor([0.0]), "a zero gate")):
+        def agree(g=gate):
+            out, ref = fused_residual_delta(x, y, "retract", gate=g), residual_delta(x, y, "retract", gate=g)
+            return torch.equal(out.isnan(), ref.isnan()) and torch.allclose(out.nan_to_num(), ref.nan_to_num(), atol=1e-6)
+        expect_ok("cpu_kernel", f"{name}: as the tensor ops", agree)
+    from hf_tangent.core.cpu_update import ROWS
+
+    for rows in (1, ROWS["norm_preserving"], ROWS["norm_preserving"] + 1):
+        a, b = torch.randn(rows, 64), torch.randn(rows, 64)
+        expect_ok("cpu_kernel", f"{rows} rows: as the tensor ops", lambda a=a, b=b: torch.allclose(
+            fused_residual_delta(a, b, "norm_preserving"), residual_delta(a, b, "norm_preserving"), rtol=1e-5, atol=1e-6))
+
+    def generate(model):
+        with torch.no_grad():
+            return model.generate(IDS[:1, :6], max_new_tokens=8, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, pad_token_id=0)
+
+    def same_generation(a, b):
+        return torch.equal(a.sequences, b.sequences) and all(
+            torch.allclose(u, v, rtol=1e-5, atol=1e-5) for u, v in zip(a.logits, b.logits, strict=True))
+
+    def gated_lambda(implementation):
+        torch.manual_seed(0)
+        model = patched_tiny(implementation=implementation)
+        ht.set_homotopy(model, {0: 0.3, 1: 0.8, 2: 1.0})
+        return generate(model.eval())
+
+    expect_ok("cpu_kernel", "gated, per-layer lambda: generate as implementation='reference'",
+              lambda: same_generation(gated_lambda("fused"), gated_lambda("reference")))
+
+    def disabled_is_the_base():
+        torch.manual_seed(0)
+        base = make_tiny("llama").eval()
+        model = ht.patch(copy.deepcopy(base), ht.TangentConfig(update="retract")).eval()
+        with ht.disabled(model):
+            inside = generate(model)
+        return torch.equal(inside.sequences, generate(base).sequences)
+
+    expect_ok("cpu_kernel", "inside ht.disabled: generate as the unpatched model", disabled_is_the_base)
+
+
 # group -> its cases (a function of a scratch folder and the tiny model folder)
 GROUPS = {
     "config": lambda tmp, folder: config_cases(),
@@ -965,6 +1057,7 @@ GROUPS = {
     "lm_eval": lm_eval_cases,
     "options": lambda tmp, folder: options_cases(tmp),
     "entries": entries_cases,
+    "cpu_kernel": lambda tmp, folder: cpu_kernel_cases(tmp),
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
 PASSING = ("ok", "clear")
