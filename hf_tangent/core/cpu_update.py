@@ -13,7 +13,7 @@ forward-mode AD, not traced or compiled (there inductor fuses the tensor ops its
 rows (16 to 64 by rule), float32/float64/bfloat16/float16. Per-row sums run in double and results are rounded once to
 y's dtype; the tensor ops round each op in float32. So the two agree to float32 rounding
 (tests/test_cpu_update.py), not bit for bit: a call of at most ROWS rows and a larger one (prefill)
-can differ in the last bit (a layer in training mode never uses the kernel: fused.py), and where ||x||^2
+can differ in the last bit (with or without gradient, the same call takes the same path: fused.py), and where ||x||^2
 overflows float32 (|x| near 1e19) the tensor ops give NaN where the kernel gives the finite value.
 Without a compiler, or with HF_TANGENT_CPU_KERNEL=0, every call takes the tensor ops.
 """

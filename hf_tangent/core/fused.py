@@ -71,7 +71,10 @@ def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
 class _TangentUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, update, alpha, beta, p, eps, eps_mode):
-        delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
+        if cpu_kernel_applies(x, y, gate, update):  # the value the no-grad path gives (fused_residual_delta)
+            delta = cpu_residual_delta(x, y, update, alpha=alpha, beta=beta, p=p, eps=eps, eps_mode=eps_mode, gate=gate)
+        else:
+            delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
         ctx.save_for_backward(x, y, gate)
         ctx.params = (update, alpha, beta, p, eps, eps_mode)  # a relative eps is recomputed from x
         return delta
@@ -140,15 +143,14 @@ class _TangentUpdate(torch.autograd.Function):
         return dx.to(x.dtype), dy, dgate, None, None, None, None, None, None
 
 
-def fused_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute", gate=None,
-                         kernel=True):
+def fused_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute", gate=None):
     """Same contract as `rules.residual_delta`, through the fused autograd Function (or, when no
     gradient is needed, its forward arithmetic alone: no autograd bookkeeping while generating; on a
-    CPU, a few rows at a time, that arithmetic as one C call: cpu_update.py; kernel=False keeps the tensor
-    ops, as a layer in training mode does: a checkpointed forward runs without gradient and its recomputation
-    with it, and the two must agree bit for bit)."""
+    CPU, a few rows at a time, that arithmetic as one C call: cpu_update.py. The autograd Function's forward
+    takes the same C call on the same calls, so that a checkpointed forward, run without gradient, and its
+    recomputation, run with it, agree bit for bit)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
-        if kernel and cpu_kernel_applies(x, y, gate, update):
+        if cpu_kernel_applies(x, y, gate, update):
             return cpu_residual_delta(x, y, update, alpha=alpha, beta=beta, p=p, eps=eps, eps_mode=eps_mode, gate=gate)
         return _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)[0]
     return _TangentUpdate.apply(x, y, gate, update, float(alpha), float(beta), float(p), float(eps), eps_mode)

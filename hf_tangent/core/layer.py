@@ -80,9 +80,7 @@ class TangentLayer(nn.Module):
                 rule = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
             else:
                 rule = fused_residual_delta if c.implementation == "fused" else residual_delta
-            extra = {"kernel": not self.training} if rule is fused_residual_delta else {}
-            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate,
-                         **extra)
+            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
         if self.blend != 1.0:  # the homotopy (1 - lambda) y + lambda (x_next - x), in float32; lambda = 0 gives y exactly
             delta = torch.lerp(y.float(), delta.float(), self.blend).to(y.dtype)
         return delta
