@@ -452,3 +452,30 @@ def test_a_root_the_step_cap_reaches_late_is_refined_to_the_end_and_outcomes_are
     _, scores, outcome, iterations = geometry.newton_roots(lambda u: u @ rotation.T, torch.tensor([[0.6, 0.8]],
                                                                                                 dtype=torch.float64), max_iter=40)
     assert outcome.tolist() == [1] and iterations[0] < 40 and abs(scores[0] - 1) < 1e-12  # stalled: nothing lowers it
+
+
+def test_spectrum_falls_back_to_numpy_where_torch_does_not_converge(monkeypatch):
+    # torch 2.13's MKL gives up on the skew 3x3 above (LinAlgError, error code 3) on some CPUs; the
+    # analysis must not: the fallback's eigenvalues equal the closed form 0, +-i sqrt(5).
+    j = torch.tensor([[0.0, 0.0, -2.0], [0.0, 0.0, -1.0], [2.0, 1.0, 0.0]], dtype=torch.float64)
+
+    def refuse(*args, **kwargs):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(torch.linalg, "eigvals", refuse)
+    monkeypatch.setattr(torch.linalg, "eig", refuse)
+    values = geometry.spectrum(j)
+    assert values.dtype == torch.complex128
+    expected = sorted([0.0, 5**0.5, -(5**0.5)])
+    assert sorted(values.imag.tolist()) == pytest.approx(expected, abs=1e-12)
+    assert values.real.abs().max().item() < 1e-12
+    vals, vecs = geometry.eigen(j)
+    assert torch.allclose(j.to(torch.complex128) @ vecs, vecs * vals, atol=1e-12)
+    (c,) = geometry.analyse_critical(lambda u: u @ (torch.eye(4) + _skew()).T, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+    assert c["label"] == "neutral" and c["complex_pairs"] == 1
+
+
+def _skew():
+    s = torch.zeros(4, 4)
+    s[0, 1], s[1, 0], s[0, 2], s[2, 0] = 2.0, -2.0, 1.0, -1.0
+    return s

@@ -31,6 +31,7 @@ from .sphere import (
     descend,
     distinct_roots,
     effective_rank,
+    eigen,
     find_critical,
     is_odd,
     linear_critical,
@@ -38,6 +39,7 @@ from .sphere import (
     newton_roots,
     project,
     refine_critical,
+    spectrum,
     tangent_basis,
     tangent_jacobian,
     unit,
@@ -46,7 +48,7 @@ from .sphere import (
 
 __all__ = ["BASIN", "OUTCOMES", "FIELDS", "GAIN_REGIMES", "LABELS", "PROTOCOLS", "ZERO_FACTOR", "FfnProbe", "LayerFields", "RunningSample",
            "analyse_critical", "attention_pressure", "batched_jacobian", "block_inputs", "classify", "classify_by_sign",
-           "critical_directions", "descend", "distinct_roots", "effective_rank", "ffn_inputs", "find_critical",
+           "critical_directions", "descend", "distinct_roots", "effective_rank", "eigen", "ffn_inputs", "find_critical",
            "gain_regimes", "is_odd", "label_counts", "linear_critical", "linear_map", "newton_roots",
-           "pressure_diversity", "project", "refine_critical", "tangent_basis", "tangent_jacobian", "unit",
+           "pressure_diversity", "project", "refine_critical", "spectrum", "tangent_basis", "tangent_jacobian", "unit",
            "value_matrix", "zero_score"]

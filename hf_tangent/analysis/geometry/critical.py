@@ -27,11 +27,13 @@ from .sphere import (
     classify_by_sign,
     descend,
     distinct_roots,
+    eigen,
     find_critical,
     is_odd,
     linear_critical,
     linear_map,
     newton_roots,
+    spectrum,
     tangent_jacobian,
     zero_score,
 )
@@ -122,7 +124,7 @@ def _root(field, u: torch.Tensor, score: float) -> dict:
     with torch.no_grad():
         value = field(u[None])[0]
     jacobian = tangent_jacobian(batched_jacobian(field, u[None])[0], u, value)
-    eigenvalues = torch.linalg.eigvals(jacobian)
+    eigenvalues = spectrum(jacobian)
     rounding = len(u) * torch.finfo(torch.float64).eps * torch.linalg.matrix_norm(jacobian, ord=2).item()
     kind = classify_by_sign(eigenvalues, rounding)
     return {"score": score, "rho": torch.dot(u, value).item(), **kind,
@@ -186,12 +188,12 @@ def _law(functions, u: torch.Tensor) -> dict:
         with torch.no_grad():
             value = field(u[None])[0]
         parts[name] = tangent_jacobian(batched_jacobian(field, u[None])[0], u, value).to(torch.complex128)
-    values, vectors = torch.linalg.eig(parts["attention"])
+    values, vectors = eigen(parts["attention"])
     rotated = torch.linalg.solve(vectors, parts["ffn"] @ vectors)
     diagonal = torch.diagonal(rotated)
     off = (rotated - torch.diag(diagonal)).norm() / rotated.norm()
     predicted = values + diagonal
-    actual = torch.linalg.eigvals(parts["attention"] + parts["ffn"])
+    actual = spectrum(parts["attention"] + parts["ffn"])
     gap = max(((actual - p).abs().min().item() for p in predicted), default=0.0)
     return {"offdiagonal": off.item(), "largest_gap": gap, "spectral_radius": actual.abs().max().item()}
 

@@ -43,6 +43,36 @@ def tangent_jacobian(jacobian: torch.Tensor, u: torch.Tensor, field: torch.Tenso
     return q.T @ jacobian.double().to(q.device) @ q - rho * torch.eye(q.shape[1], dtype=torch.float64, device=q.device)
 
 
+def spectrum(matrix: torch.Tensor) -> torch.Tensor:
+    """torch.linalg.eigvals, or numpy's LAPACK where torch's fails to converge: the MKL in torch 2.13's
+    CPU wheel gives up on some exact float64 spectra (a skew 3x3 with a zero eigenvalue, e.g.) that
+    numpy's OpenBLAS solves."""
+    try:
+        return torch.linalg.eigvals(matrix)
+    except torch.linalg.LinAlgError:
+        return _numpy_eig(matrix, vectors=False)
+
+
+def eigen(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.linalg.eig with the same fallback as `spectrum`."""
+    try:
+        return torch.linalg.eig(matrix)
+    except torch.linalg.LinAlgError:
+        return _numpy_eig(matrix, vectors=True)
+
+
+def _numpy_eig(matrix: torch.Tensor, vectors: bool):
+    import numpy as np
+
+    complex_dtype = torch.complex128 if matrix.dtype in (torch.float64, torch.complex128) else torch.complex64
+    array = matrix.detach().cpu().numpy()
+    if not vectors:
+        return torch.from_numpy(np.linalg.eigvals(array)).to(complex_dtype).to(matrix.device)
+    values, vecs = np.linalg.eig(array)
+    return (torch.from_numpy(values).to(complex_dtype).to(matrix.device),
+            torch.from_numpy(vecs).to(complex_dtype).to(matrix.device))
+
+
 def classify(eigenvalues: torch.Tensor, rel_tol: float = 1e-2) -> dict:
     """The local type from the real parts: a real part counts as zero when |Re| <= rel_tol * max|lambda|.
     attractor: none positive, some negative; repeller: the reverse; saddle: both signs; neutral: all
@@ -219,7 +249,7 @@ def linear_critical(matrix: torch.Tensor, *, rel_tol: float = 1e-9) -> dict:
     of its m-dimensional eigenspace), reported with its dimension, not as points. Returns
     {"directions": (k, d), "eigenvalues": (d,) complex, "isolated": [...], "degenerate": [...], "rank"}."""
     m = matrix.double()
-    values, vectors = torch.linalg.eig(m)
+    values, vectors = eigen(m)
     radius = values.abs().max().item()
     tol = rel_tol * max(radius, EPS)
     real = values.imag.abs() <= tol
@@ -301,7 +331,7 @@ def analyse_critical(field_fn, u: torch.Tensor, rel_tol: float = 1e-2) -> list[d
     out = []
     for k in range(len(u)):
         j = tangent_jacobian(jacobians[k], u[k], values[k])
-        eig = torch.linalg.eigvals(j)
+        eig = spectrum(j)
         out.append({"rho": torch.dot(u[k].double(), values[k].double()).item(), "eigenvalues": eig,
                     "jacobian": j, **classify(eig, rel_tol)})
     return out
