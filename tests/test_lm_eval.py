@@ -419,7 +419,7 @@ def test_merge_refuses_parts_of_different_measurements(tiny, tmp_path):
 
 
 def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path, monkeypatch):
-    """task_manager: lm-eval's TaskManager (about 20 s to index lm-eval's own tasks) is reused while the task
+    """task_manager: lm-eval's TaskManager (about 11 s to index lm-eval's own tasks) is reused while the task
     folders hold the same files, and built again when a task file is added or edited."""
     import lm_eval.tasks
 
@@ -428,7 +428,8 @@ def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path,
     built = []
 
     class Recording:
-        def __init__(self, include_path):
+        def __init__(self, include_path, include_defaults):
+            assert include_defaults  # no shipped-only task list is given here
             built.append(list(include_path))
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
@@ -443,4 +444,34 @@ def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path,
     (tmp_path / "b.yaml").write_text("task: b\nversion: 2\n")  # a task edited (another size)
     assert run.task_manager(str(tmp_path)) is not second and len(built) == 3
     assert run.task_manager() is not first and len(built) == 4  # the shipped tasks alone
+    run._task_manager.cache_clear()
+
+
+def test_lm_evals_own_tasks_are_indexed_unless_only_shipped_tasks_are_asked_for(tmp_path, monkeypatch):
+    """Shipped task names alone (and no folder of the user's): only the shipped folder is indexed; a name or
+    pattern of anything else, or a user's folder (its YAMLs may name lm-eval's tasks), indexes lm-eval's too.
+    That the two indexes score a shipped task alike: test_variants_equal_the_model_under_disabled_..."""
+    import lm_eval.tasks
+
+    from hf_tangent.integrations.harness import run, tasks
+
+    built = []
+
+    class Recording:
+        def __init__(self, include_path, include_defaults):
+            built.append((list(include_path), include_defaults))
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Recording)
+    run._task_manager.cache_clear()
+    shipped = [str(run.task_folder())]
+    for asked, defaults in ((list(tasks.TASKS), False), (["austen_lastword"], False), (["hellaswag"], True),
+                            (["austen_lastword", "hellaswag"], True), (["austen_*"], True), (None, True)):
+        built.clear()
+        run._task_manager.cache_clear()
+        run.task_manager(tasks=asked)
+        assert built == [(shipped, defaults)], asked
+    (tmp_path / "a.yaml").write_text("task: a\n")
+    built.clear()
+    run.task_manager(str(tmp_path), tasks=["austen_lastword"])
+    assert built == [(shipped + [str(tmp_path)], True)]
     run._task_manager.cache_clear()

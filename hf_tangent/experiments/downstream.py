@@ -75,7 +75,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
     if include_path is not None and not os.path.isdir(include_path):  # lm-eval itself skips a missing folder silently
         raise ValueError(f"hf_tangent.lm_eval: include_path={include_path!r} is not a folder; accepted: a folder of "
                          "lm-eval task YAMLs.")
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, tasks)
     missing = [t for t in tasks if not manager.match_tasks([t])]
     if missing:
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")

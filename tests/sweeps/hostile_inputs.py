@@ -796,6 +796,8 @@ def lm_eval_cases(tmp: Path, folder: Path):
     for case, kwargs, message in [
             ("variants=['tangent']", dict(variants=["tangent"]), "unknown variants ['tangent']; accepted:"),
             ("tasks=['no_such_task']", dict(tasks=["no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
+            ("a shipped task and an unknown one (lm-eval's own tasks indexed for it)",
+             dict(tasks=["austen_lastword", "no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
             ("limit=0", dict(limit=0), "limit=0 is out of range"),
             ("num_fewshot=-1", dict(num_fewshot=-1), "num_fewshot=-1 is out of range"),
             ("batch_size=0", dict(batch_size=0), "batch_size=0 is out of range"),

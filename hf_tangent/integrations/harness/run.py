@@ -8,7 +8,7 @@ import importlib.metadata
 import importlib.util
 import os
 
-from .tasks import task_folder
+from .tasks import TASKS, task_folder
 
 INSTALL = "pip install 'hf_tangent[eval]'  (EleutherAI's lm-eval >= 0.4.13)"
 BACKENDS = ("hf", "vllm")  # lm-eval's HFLM on the model in memory; lm-eval's VLLM on a saved folder (the plugin patches it)
@@ -31,11 +31,15 @@ def require_vllm() -> None:
                            "of its own on a CPU (docs/serving.md); accepted backends: " + ", ".join(BACKENDS) + ".")
 
 
-def task_manager(include_path: str | None = None):
+def task_manager(include_path: str | None = None, tasks: list[str] | tuple[str, ...] | None = None):
     """lm-eval's TaskManager with the shipped Austen tasks and the user's own task folder: built once per
-    process and task folders' contents (indexing lm-eval's own tasks takes about 20 s, every call)."""
+    process and task folders' contents. Indexing lm-eval's own tasks takes seconds (every process paid
+    it): when `tasks` are all shipped task names (exact names: a pattern could match lm-eval's too) and
+    no folder of the user's is given, whose YAMLs may name lm-eval's tasks, only the shipped folder is indexed."""
     paths = (str(task_folder()),) + ((str(include_path),) if include_path else ())
-    return _task_manager(paths, tuple(_files_of(path) for path in paths))
+    contents = tuple(_files_of(path) for path in paths)
+    shipped_only = include_path is None and tasks is not None and all(task in TASKS for task in tasks)
+    return _task_manager(paths, contents, not shipped_only)
 
 
 def _files_of(folder: str) -> tuple:
@@ -49,10 +53,10 @@ def _files_of(folder: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=4)
-def _task_manager(paths: tuple[str, ...], contents: tuple):
+def _task_manager(paths: tuple[str, ...], contents: tuple, include_defaults: bool):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(paths))
+    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
 
 
 def vllm_lm(folder: str, *, tokenizer: str, dtype: str, batch_size: int, seed: int, vllm_args: dict | None = None):
