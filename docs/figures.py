@@ -630,7 +630,20 @@ def decode_speed() -> str:
             f"{r['repeats']} interleaved rounds [quartiles] (`benchmarks/decode_speed.py`, "
             "[benchmarks/results/decode_cpu.json](../benchmarks/results/decode_cpu.json)); the unpatched model ran at "
             + ", ".join(f"{base[b]:.0f} tok/s ({b})" for b in batches) + ":\n\n"
-            + table(["variant", *(f"{b}, {impl}" for b in batches for impl in ("kernel", "tensor ops"))], rows))
+            + table(["variant", *(f"{b}, {impl}" for b in batches for impl in ("kernel", "tensor ops"))], rows)
+            + "\n" + _previous_decode_run())
+
+
+def _previous_decode_run() -> str:
+    """The run before, of the same code at batch 1 (kept): how far two runs of one benchmark fall apart here."""
+    r = report("benchmarks/results/decode_cpu_previous.json")
+    rows = r["rows"]["batch 1"]
+    cells = ", ".join(f"{name} {rows[name + ', kernel']['tokens_per_s_ratio']:.3f} / "
+                      f"{rows[name + ', tensor ops']['tokens_per_s_ratio']:.3f}"
+                      for name in dict.fromkeys(k.rsplit(", ", 1)[0] for k in rows))
+    return ("The run before this one (commit c1b853b; the decode path unchanged since), same settings, batch 1 only "
+            "([benchmarks/results/decode_cpu_previous.json](../benchmarks/results/decode_cpu_previous.json)), "
+            f"kernel / tensor ops: {cells}; unpatched {rows[next(iter(rows))]['unpatched_tokens_per_s']:.0f} tok/s.\n")
 
 
 # ----------------------------------------------------------------------------- the module table of docs/core.md
