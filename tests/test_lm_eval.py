@@ -418,7 +418,18 @@ def test_merge_refuses_parts_of_different_measurements(tiny, tmp_path):
     assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "m")]) == 0
 
 
-def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_task_index():
+    """The cached task indexes emptied before and after the test, also when it fails: a fake TaskManager
+    recorded by a test never reaches the next one."""
+    from hf_tangent.integrations.harness import run
+
+    run._task_manager.cache_clear()
+    yield
+    run._task_manager.cache_clear()
+
+
+def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path, monkeypatch, fresh_task_index):
     """task_manager: lm-eval's TaskManager (about 11 s to index lm-eval's own tasks) is reused while the task
     folders hold the same files, and built again when a task file is added or edited."""
     import lm_eval.tasks
@@ -447,7 +458,8 @@ def test_the_task_index_is_built_once_per_contents_of_the_task_folders(tmp_path,
     run._task_manager.cache_clear()
 
 
-def test_lm_evals_own_tasks_are_indexed_unless_only_shipped_tasks_are_asked_for(tmp_path, monkeypatch):
+def test_lm_evals_own_tasks_are_indexed_unless_only_shipped_tasks_are_asked_for(tmp_path, monkeypatch,
+                                                                                 fresh_task_index):
     """Shipped task names alone (and no folder of the user's): only the shipped folder is indexed; a name or
     pattern of anything else, or a user's folder (its YAMLs may name lm-eval's tasks), indexes lm-eval's too.
     That the two indexes score a shipped task alike: test_variants_equal_the_model_under_disabled_..."""
