@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Tests never reach the hub (nor does CI): fail fast instead of retrying for seconds.
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.collect_env
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -27,6 +29,11 @@ from transformers import (
 )
 
 import hf_tangent as ht
+
+# lm-eval's simple_evaluate describes the environment on every call with torch's collect_env (`pip list`
+# and other subprocesses: about a second each time here); the suite evaluates dozens of times in one
+# process, and the environment does not change within it: the real description, taken once per process.
+torch.utils.collect_env.get_pretty_env_info = functools.cache(torch.utils.collect_env.get_pretty_env_info)
 
 VOCAB = 128
 SHARED_AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
