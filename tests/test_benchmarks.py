@@ -100,6 +100,7 @@ def test_interleaved_ratios_share_one_baseline_and_rotate_the_order():
         assert result[name]["ratio_median"] == pytest.approx(float(np.median(values)))
         assert result[name]["baseline_median_s"] == 1.0
 
+@pytest.mark.slow  # CI time (~12 s each): the benchmark scripts at tiny size
 def test_patch_overhead_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "tiny.json"
     run("patch_overhead.py", "--tiny", "--rules", "projected", "--suites", "forward", "--output", str(out))
@@ -116,6 +117,7 @@ def test_performance_page_renders_the_ratios_of_its_json(tmp_path):
     assert f"{row['ratio_median']:.3f}" in text
 
 
+@pytest.mark.slow  # CI time (~12 s each): the benchmark scripts at tiny size
 def test_diagnostics_overhead_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "diag.json"
     run("diagnostics_overhead.py", "--tiny", "--repeats", "2", "--output", str(out))
@@ -123,6 +125,7 @@ def test_diagnostics_overhead_runs_at_tiny_size_smoke(tmp_path):
     assert result["benchmark"] == "diagnostics_overhead" and len(result["ratios"]) == 2
 
 
+@pytest.mark.slow  # CI time (~12 s each): the benchmark scripts at tiny size
 def test_parallel_speed_runs_at_tiny_size_smoke(tmp_path):
     out = tmp_path / "speed.json"
     run("parallel_speed.py", "--tiny", "--output", str(out))

@@ -74,6 +74,7 @@ def test_eval_text_shorter_than_one_window(tiny_folder, tmp_path, capsys):
     assert code == 2 and "fewer than one window of seq_len=64" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # CI time (~25 s): test_wheel runs the main job's console script, test_kept_reports checks its rule table
 def test_console_script_runs_the_offline_default(tmp_path):
     """The README's main command, at a tiny size: real SmolLM2 weights, held-out Austen text."""
     exe = [sys.executable, "-m", "hf_tangent.cli"]

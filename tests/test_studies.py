@@ -19,6 +19,7 @@ def smoke(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_every_variant_trains(smoke):
     for study, (report, folder) in smoke.items():
         assert [s["variant"] for s in report["summary"]] == list(studies.STUDIES[study])
@@ -31,6 +32,7 @@ def test_every_variant_trains(smoke):
         assert report["verdict"] and "smallest reachable p" in report["verdict"] or study == "retraction"
 
 
+@pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_the_patch_is_really_active(smoke):
     runs = {(r["variant"], r["seed"]): r for r in smoke["tangential"][0]["runs"]}
     for seed in (0, 1):
@@ -45,6 +47,7 @@ def test_the_patch_is_really_active(smoke):
             assert growth == pytest.approx(1.0, abs=1e-4), run["variant"]
 
 
+@pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_same_seed_same_numbers(smoke, tmp_path):
     report, _ = smoke["noise"]
     assert cli.main(["study", "noise", "--scale", "smoke", "--variants", "tangent gamma=0.03", "--seeds", "1",
@@ -56,6 +59,7 @@ def test_same_seed_same_numbers(smoke, tmp_path):
         assert again[variant]["train_loss"] == first[variant]["train_loss"]
 
 
+@pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_study_report_page(smoke, tmp_path):
     page = tmp_path / "studies.md"
     reports = [str(folder / "report.json") for _, folder in smoke.values()]
@@ -153,6 +157,7 @@ def test_retraction_verdict_follows_the_paired_statistics(seeds, best, flip, out
         assert f"p = {2 / 2**seeds:.3f}" in sentence and "vs euclidean -0.7000" in sentence and "vs retract p=inf -1.2000" in sentence
 
 
+@pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
     """Seeds run later (another `study` call) merge by seed; a (variant, seed) given twice is an error."""
     report, _ = smoke["noise"]
