@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# .ci/run reads pyproject.toml with tomllib (CI's python3 is 3.11); on 3.10 it stops before running anything
+pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason=".ci/run needs Python 3.11+ (tomllib)")
 VLLM_SUBSET = ('python3 -m pytest -m vllm tests/test_vllm.py -k documented or pre_03 or record_under or '
                'family_the_plugin or (every_served_family and (llama or gemma3 or gpt2 or gpt_neox))')
 
@@ -31,7 +33,8 @@ def test_ci_runs_the_readme_test_command_verbatim_in_a_subshell():
 
 # A stand-in python3: `-m venv DIR` makes DIR/bin/activate (which puts the stand-ins first on PATH);
 # `-c` runs the real Python (.ci/run reads pyproject.toml with it); every other call is logged;
-# `-m pytest` exits with $PYTEST_EXIT (once a call containing $PYTEST_AFTER is logged, if set).
+# `-m pytest` exits with $PYTEST_EXIT (once a call containing $PYTEST_AFTER is logged, if set;
+# after sleeping $PYTEST_SLEEP seconds and logging that it finished, if set).
 # The stand-in pip logs its arguments and the lines of a `-r` file, and exits with $PIP_EXIT, or 1
 # when its arguments contain $PIP_FAIL_IF; when they contain $PIP_SLOW_IF it first sleeps 4 s and
 # logs that it finished.
@@ -48,6 +51,7 @@ if [ "$1 $2" = "-m pytest" ]; then
     if [ -z "${PYTEST_AFTER:-}" ] || grep -qF -- "$PYTEST_AFTER" "$CI_LOG"; then break; fi
     sleep 0.1
   done
+  if [ -n "${PYTEST_SLEEP:-}" ]; then sleep "$PYTEST_SLEEP"; echo "pytest finished $*" >> "$CI_LOG"; fi
   exit "${PYTEST_EXIT:-0}"
 fi
 exit 0
@@ -66,7 +70,7 @@ exit "${PIP_EXIT:-0}"
 """
 
 
-def run_ci(tmp_path, **env_vars) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_ci(tmp_path, prefix=(), **env_vars) -> tuple[subprocess.CompletedProcess, list[str]]:
     stubs = tmp_path / "stubs"
     stubs.mkdir()
     for name, text in (("python3", _PYTHON), ("python", _PYTHON), ("pip", _PIP)):
@@ -79,12 +83,13 @@ def run_ci(tmp_path, **env_vars) -> tuple[subprocess.CompletedProcess, list[str]
     log = tmp_path / "calls.log"
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "CI_LOG": str(log), "STUBS": str(stubs), "HOME": str(tmp_path),
            "REAL_PYTHON": sys.executable, "TMPDIR": str(tmp_path), **{k: str(v) for k, v in env_vars.items()}}
-    result = subprocess.run(["bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*prefix, "bash", str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True,
+                            timeout=60)
     return result, log.read_text().splitlines() if log.exists() else []
 
 
 def requirements(*extras: str) -> list[str]:
-    import tomllib  # Python 3.11+, as .ci/run's own reading of pyproject.toml
+    import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     return project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
@@ -130,13 +135,14 @@ def test_ci_fails_when_any_step_of_the_test_command_fails(tmp_path, failing):
         assert not any(c.startswith("python3 -m pytest") for c in calls)
 
 
-@pytest.mark.parametrize("failing", ["transformers==4.57.1", "uninstall"])
-def test_ci_fails_when_an_environment_installed_in_the_background_fails(tmp_path, failing):
+@pytest.mark.parametrize(("failing", "named"), [("transformers==4.57.1", "the oldest-transformers environment"),
+                                               ("uninstall", "the vLLM environment")])
+def test_ci_fails_when_an_environment_installed_in_the_background_fails(tmp_path, failing, named):
     result, calls = run_ci(tmp_path, PIP_FAIL_IF=failing)
     assert result.returncode != 0
     assert "python3 -m pytest" in calls  # the main job ran ...
     assert not any("pytest -m core" in c or "pytest -m vllm" in c for c in calls)  # ... and nothing after it
-    assert "installing the oldest-transformers or the vLLM environment failed" in result.stdout
+    assert f"{named} (.venv-" in result.stdout and "did not install" in result.stdout
 
 
 def test_a_failing_main_job_stops_the_background_installs(tmp_path):
@@ -147,6 +153,17 @@ def test_a_failing_main_job_stops_the_background_installs(tmp_path):
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert not any(c.startswith("pip finished") for c in calls), "the background install went on"
     assert not any(".venv-vllm" in c for c in calls)
+
+
+def test_a_signal_to_the_scripts_process_group_stops_the_tests_too(tmp_path):
+    """`timeout` signals its whole process group: the tests must be in it (not in a job group of their own)."""
+    result, calls = run_ci(tmp_path, prefix=("timeout", "2"), PYTEST_SLEEP=4)
+    assert result.returncode == 124
+    assert "python3 -m pytest" in calls
+    time.sleep(4)  # longer than the stand-in's tests
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert not any(c.startswith("pytest finished") for c in calls), "the main job's tests went on"
+    assert not list(tmp_path.glob("tmp*")), "the work folder is left behind"
 
 
 def test_the_old_and_list_form_would_have_passed_a_failing_install(tmp_path):
