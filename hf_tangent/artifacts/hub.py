@@ -76,25 +76,23 @@ from transformers import {base} as _Base
 
 # transformers (4.x) copies only the files this module imports directly: every core module, listed when written.
 {core_imports}
-from .config import TangentConfig
 from .configuration_hf_tangent import {config_cls}
-from .patching import CONFIG_KEY, patch, set_homotopy
+from .remote import init_patched, register_conversions
+
+# the base's weight conversions (key renames, fused experts) for this class and model_type too (remote.py)
+register_conversions("{cls}", "{base}", {config_cls}.model_type, "{base_type}")
 
 
 class {cls}(_Base):
     config_class = {config_cls}
 
+    @classmethod
+    def is_custom_code(cls):  # transformers 5: the base's own code, so its buffers initialise as the base's (remote.py)
+        return False
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        record = getattr(config, CONFIG_KEY, None)
-        if record is not None:  # creates the gates, which from_pretrained then fills
-            fields = dict(record["config"])
-            if fields.get("implementation") == "triton":  # the kernels are not shipped: same rule, fused
-                fields["implementation"] = "fused"
-            patch(self, TangentConfig.from_dict(fields, strict=True))
-            if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
-                set_homotopy(self, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
-                             steps=record["homotopy"].get("steps"))
+        init_patched(self, config)
 '''
 
 
@@ -126,7 +124,7 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
         base_config=base_config, config_cls=names["config_class"], model_type=names["model_type"],
         base_type_attr=BASE_TYPE_ATTR, base_type=base_model_type(config)), encoding="utf-8")
     (folder / REMOTE_MODELING_FILE).write_text(_MODELING_TEMPLATE.format(
-        base=base_class, cls=names["architecture"], config_cls=names["config_class"],
+        base=base_class, cls=names["architecture"], config_cls=names["config_class"], base_type=base_model_type(config),
         core_imports=core_imports()), encoding="utf-8")
     data["model_type"] = names["model_type"]
     data["architectures"] = [names["architecture"]]

@@ -32,12 +32,12 @@ from ..core.config import TangentConfig
 from ..core.destinations import check_destination, replacing
 from ..core.discovery import decoder_layers
 from ..core.patching import CONFIG_KEY, get_config, patch, set_homotopy, tangent_layers
-from ..core.registry import base_model_type
+from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
 from ..core.wrappers import peft_model_of, sharding_engine, unwrap
 from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import save_hub_folder, upload
-from .serialization import _check_record
+from .serialization import _check_record, transformers_class
 
 RECORD_FILE = "hf_tangent_patch.json"
 GATES_FILE = "gates.safetensors"
@@ -66,6 +66,10 @@ def patch_record(model, *, base_model: str | None = None, revision: str | None =
     if not name:
         raise ValueError("hf_tangent.save_patch: the model does not say which checkpoint it was loaded from "
                          "(config._name_or_path is empty); pass base_model='hub-id-or-folder'.")
+    if base_model is None and (hasattr(type(base.config), BASE_TYPE_ATTR) or _holds_patch(name)):
+        raise ValueError(f"hf_tangent.save_patch: the model was loaded from {name!r}, a complete patched folder, but a "
+                         "patch repo points at an unpatched base, which it is loaded onto; pass base_model= (the hub id "
+                         "or folder of the unpatched checkpoint), or share the complete folder (save_pretrained).")
     text = base.config.get_text_config()
     try:
         weights = identity.fingerprint(model)
@@ -75,12 +79,21 @@ def patch_record(model, *, base_model: str | None = None, revision: str | None =
     return {"format": FORMAT, "hf_tangent_version": __version__, "patch": getattr(base.config, CONFIG_KEY),
             "base": {"name_or_path": name, "source": _base_source(name),
                      "revision": revision or getattr(base.config, "_commit_hash", None),
-                     "model_type": base_model_type(base.config), "architecture": type(base).__name__,
+                     "model_type": base_model_type(base.config),
+                     "architecture": type(base).__name__.removeprefix(PATCHED_CLASS_PREFIX),
                      "hidden_size": getattr(text, "hidden_size", None), "num_layers": len(decoder_layers(base)),
                      "dtype": str(next(base.parameters()).dtype).replace("torch.", ""),
                      "fingerprint": weights, "config": identity.computation_config(base.config)},
             "adapters": ADAPTER_FOLDER if peft_model_of(model) is not None else None,
             "gates": GATES_FILE if config.gates else None}
+
+
+def _holds_patch(name: str) -> bool:
+    """True for a local folder whose config.json carries a patch record (a complete patched folder)."""
+    try:
+        return CONFIG_KEY in json.loads((Path(name) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def save_patch(model, folder: str | os.PathLike, *, base_model: str | None = None, revision: str | None = None,
@@ -142,12 +155,23 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
             save_file(tensors, str(staging / GATES_FILE), metadata={"format": "hf_tangent_gates"})
         if peft_model is not None:
             peft_model.save_pretrained(staging / ADAPTER_FOLDER, safe_serialization=True)
+            _unloadable_alone(staging / ADAPTER_FOLDER / "adapter_config.json")
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (staging / CARD_FILE).write_text(_card(record, card or {}, name or os.fspath(folder)), encoding="utf-8")
     return folder
 
 
 CARD_SECTIONS = ("title", "training", "results", "notes")  # what card= may hold (str values)
+# adapter/adapter_config.json's base: PEFT's AutoPeftModel loads the base it names and puts the adapters on it,
+# which for a patch repo's adapters (trained on the patched model) would be the unpatched base: silently wrong.
+# A name that is no folder and no repo id makes that loader refuse, with what to do in its message.
+ADAPTER_BASE = "hf_tangent patch repo adapters: load the repo with hf_tangent.from_pretrained(repo)"
+
+
+def _unloadable_alone(config_file: Path) -> None:
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    data["base_model_name_or_path"] = ADAPTER_BASE
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _base_origin(base: dict) -> str:
@@ -362,7 +386,13 @@ def _load_base(base: dict, base_model: str | None, base_revision: str | None, kw
     try:
         if name in OFFLINE_MODELS:
             return load_offline(name, **{"dtype": torch.float32, **kwargs}).eval(), name
-        return AutoModelForCausalLM.from_pretrained(name, revision=revision, **kwargs), name
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, revision=revision, **kwargs), name
+        except ValueError as err:  # a config without an auto entry (emu3_text_model): the recorded class, if any
+            recorded = transformers_class(base.get("architecture"))
+            if "Unrecognized configuration class" not in str(err) or recorded is None:
+                raise
+            return recorded.from_pretrained(name, revision=revision, **kwargs), name
     except (OSError, RuntimeError, ValueError) as err:
         raise PatchRepoError(f"hf_tangent: the patch's base model {name!r}" + (f" (revision {revision})" if revision else "")
                              + f" could not be loaded ({err}); pass base_model= to load it from a local copy.") from err

@@ -90,10 +90,11 @@ def _check_record(record, where: str) -> dict:
 
 def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict]:
     """(config.json's path, its contents, its checked "hf_tangent" record) of a saved folder or hub repo."""
+    from transformers import PretrainedConfig
+
     config_file = _file(path, "config.json", **hub_kwargs)
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            data = json.load(f)
+    try:  # transformers' own reader: it decodes the floats JSON cannot hold ({"__float__": "Infinity"})
+        data = PretrainedConfig._dict_from_json_file(config_file)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         _fail(config_file, f"not a valid JSON file ({err}).")
     record = data.get(CONFIG_KEY) if isinstance(data, dict) else None
@@ -114,19 +115,31 @@ def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
     return _read_config(path, **hub_kwargs)[2]
 
 
-def _base_config(data: dict, record: dict, where: str):
+def transformers_class(name):
+    """The transformers model class of that name (a patch's recorded base class: the class a folder's remote
+    code subclasses), or None (records before 0.3 name none; a class this transformers version lacks)."""
+    import transformers
+
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+
+
+def _base_config(data: dict, record: dict, where: str, model_class):
     """The base model's transformers config from a patched-format config.json (its own model_type
     and remote-code classes replaced by the base's), so the base class loads without remote code."""
     from transformers import CONFIG_MAPPING
 
     base_type = record["model_type"]
-    if base_type not in CONFIG_MAPPING:
-        _fail(where, f"the patch's base model_type {base_type!r} is not known to this transformers version; upgrade "
-                     "transformers, or load the folder with trust_remote_code=True.")
+    config_class = getattr(model_class, "config_class", None)
+    if getattr(config_class, "model_type", None) != base_type:
+        if base_type not in CONFIG_MAPPING:
+            _fail(where, f"the patch's base model_type {base_type!r} is not known to this transformers version; "
+                         "upgrade transformers, or load the folder with trust_remote_code=True.")
+        config_class = CONFIG_MAPPING[base_type]
     fields = {k: v for k, v in data.items() if k != "auto_map"}
     fields["model_type"] = base_type
     fields["architectures"] = [record["base_architecture"]] if isinstance(record.get("base_architecture"), str) else None
-    return CONFIG_MAPPING[base_type].from_dict(fields)
+    return config_class.from_dict(fields)
 
 
 def _weight_files(path, **hub_kwargs) -> list[str]:
@@ -229,13 +242,15 @@ def load_patched_folder(path: str | os.PathLike, *, model_class=None, **kwargs):
     except ValueError as err:
         _fail(where, f"field '{CONFIG_KEY}.config': {err}")
     gates = _saved_gates(path, **hub_kwargs)
-    if model_class is None:
-        from transformers import AutoModelForCausalLM as model_class
+    if model_class is None:  # the class the remote code subclasses (emu3_text_model has no AutoModelForCausalLM entry)
+        from transformers import AutoModelForCausalLM
+
+        model_class = transformers_class(record.get("base_architecture")) or AutoModelForCausalLM
     if data["model_type"] != record["model_type"]:  # the patched format: load the base class, then patch it
         if "config" in kwargs:
             raise ValueError("hf_tangent.from_pretrained: config= is not accepted for a patched folder; its config "
                              "is the folder's own (pass config fields such as attn_implementation as keywords).")
-        kwargs = {**kwargs, "config": _base_config(data, record, where)}
+        kwargs = {**kwargs, "config": _base_config(data, record, where, model_class)}
     try:
         with _quiet_transformers_loading():
             model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)

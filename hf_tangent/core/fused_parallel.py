@@ -7,12 +7,15 @@ run as one GEMM (GPT-J / PaLM style) after one shared normalisation: with RMSNor
     [q; k; v; gate; up] = [Wq diag(w1); Wk diag(w1); Wv diag(w1); Wg diag(w2); Wu diag(w2)] (h / rms(h))
 
 This is the one place where hf_tangent replaces computation: the `forward` of the input
-projections and of the two norms of a converted layer are replaced on those module instances (the
-projections return their slice of the fused GEMM; the norms pass h through). The layer's own
-forward still runs, so the KV cache, gradient checkpointing and output_hidden_states work as
-before; weights and state-dict keys are untouched, and the fused weight is re-concatenated
-whenever a weight changes (or on every call while gradients flow, so training updates the
-original weights).
+projections of a converted layer is replaced on those module instances (each returns its slice of
+the fused GEMM), and a hook on each of the two norms hands h on instead of the normed h. The norms
+are hooked, not replaced: transformers' kernel layers (`kernelize`, run by `from_pretrained` and by
+every change between train and eval mode) put back the `forward` of norm instances. A layer call
+whose projections did not all take their slice raises, rather than mixing fused and unfused
+projections. The layer's own forward still runs, so the KV cache, gradient checkpointing and
+output_hidden_states work as before; weights and state-dict keys are untouched, and the fused weight
+is re-concatenated whenever a weight changes (or on every call while gradients flow, so training
+updates the original weights).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class FusedParallelExecution:
         if len(eps) != 1 or None in eps or not all(hasattr(n, "weight") for n in self.norms):
             raise ValueError("hf_tangent: fused parallel execution needs two RMSNorms with the same epsilon.")
         self.eps = eps.pop()
+        self.paths = list(spec.fused_attention_in) + list(spec.fused_ffn_in)
         self.attention_in = [layer.get_submodule(p) for p in spec.fused_attention_in]
         self.ffn_in = [layer.get_submodule(p) for p in spec.fused_ffn_in]
         if not all(isinstance(m, nn.Linear) for m in self.attention_in + self.ffn_in):
@@ -79,32 +83,42 @@ class FusedParallelExecution:
 
     def _slice(self, index, h):
         """Projection `index` of h. The first projection of a layer call computes all of them (the norms
-        pass h through, so every projection receives the same tensor); the last one drops them, so a
-        checkpointed recomputation computes them again."""
+        hand h on, so every projection receives the same tensor); the last one drops them (the entry stays,
+        empty, for `release`), so a checkpointed recomputation computes them again."""
         key = call_key()
         entry = self._outputs.get(key)
         if entry is None or entry[0] is not h:
-            entry = self._outputs[key] = (h, self._projections(h), set(range(self._count)))
+            entry = self._outputs[key] = [h, self._projections(h), set(range(self._count))]
         entry[2].discard(index)
+        out = entry[1][index]
         if not entry[2]:
-            del self._outputs[key]
-        return entry[1][index]
+            entry[0] = entry[1] = None
+        return out
 
-    def release(self, key: int) -> None:
-        """Drop a call's outputs that the layer did not consume (called when the layer returns)."""
-        self._outputs.pop(key, None)
+    def release(self, key: int) -> bool:
+        """Drop a call's outputs (called when the layer returns); False when its projections did not all
+        take their slice (one of them no longer runs `_slice`: its forward was replaced again)."""
+        entry = self._outputs.pop(key, None)
+        return entry is not None and not entry[2]
 
-    @staticmethod
-    def _pass_through(hidden_states, *args, **kwargs):
-        return hidden_states
+    def _hand_on_input(self, module, args, kwargs, output):
+        return args[0] if args else next(iter(kwargs.values()))
+
+    def in_place(self) -> bool:
+        """True while every input projection still sits where the patch found it (not wrapped since)."""
+        return all(self.layer.get_submodule(p) is m for p, m in zip(self.paths, self.attention_in + self.ffn_in, strict=True))
 
     def install(self) -> None:
         for i, module in enumerate(self.attention_in + self.ffn_in):
             module.forward = functools.partial(self._slice, i)  # a partial deep-copies with the model
         for norm in self.norms:
-            norm.forward = self._pass_through
+            norm.register_forward_hook(self._hand_on_input, with_kwargs=True)
 
     def uninstall(self) -> None:
-        for module in self.attention_in + self.ffn_in + list(self.norms):
+        for module in self.attention_in + self.ffn_in:
             vars(module).pop("forward", None)
+        for norm in self.norms:
+            for key in [k for k, fn in norm._forward_hooks.items() if getattr(fn, "__self__", None) is self]:
+                del norm._forward_hooks[key]
+                norm._forward_hooks_with_kwargs.pop(key, None)
         self._outputs = {}

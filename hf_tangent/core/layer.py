@@ -61,6 +61,7 @@ class TangentLayer(nn.Module):
         self.exact_in_training = True  # False: dropout acts after ffn_out, so only eval mode is exact
         self.blend = 1.0  # homotopy lambda (patching.set_homotopy): 0 = the unpatched layer, 1 = the patch
         self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
+        self._sites: dict[str, tuple] = {}  # role -> (parent, attribute, hooked module): install
         # the submodule roles whose hooks must fire in every call of the layer
         self.roles = tuple(role for role, needed in (
             ("input_norm", parallel or self.attention_branch),
@@ -99,15 +100,22 @@ class TangentLayer(nn.Module):
                 f"output it adds ({self.spec.ffn_out_path}), so the patch is exact in eval mode only; set the "
                 "model's dropout probabilities to 0 (e.g. config.dropout=0.0 when building it) to train it patched."
             )
+        self._follow_wrappers(module)
         self._calls[call_key()] = {"layer": True}
 
     def _exit(self, module, args, output):
         key = call_key()
         state = self._calls.pop(key, None)
-        if self.fused_execution is not None:
-            self.fused_execution.release(key)
+        fused = self.fused_execution.release(key) if self.fused_execution is not None else True
         if output is None or state is None:  # the forward raised (always_call): nothing to check
             return None
+        if not fused:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(module).__name__}) ran with parallel_execution='fused', but not "
+                "every input projection took its slice of the fused GEMM (a projection's forward was replaced after "
+                "the patch, e.g. by an adapter), so its output mixes fused and unfused projections. Patch again "
+                "(hf_tangent.patch) after changing the layer, or use parallel_execution='hooks'."
+            )
         missing = [role for role in self.roles if role not in state]
         if missing:
             raise RuntimeError(
@@ -191,21 +199,41 @@ class TangentLayer(nn.Module):
         for role in self.roles:
             spec.submodule(layer, role)
         param = next(layer.parameters(), None)
-        if param is not None and self.gate is not None:
+        if param is not None and self.gate is not None and not self.gate.is_meta:  # meta: from_pretrained fills it
             self.to(device=param.device)
 
+    def _hook(self, layer: nn.Module, role: str) -> None:
+        """Hook `role`'s submodule and remember where it sits (its parent and attribute name)."""
+        module = self.spec.submodule(layer, role)
+        if role in ("input_norm", "ffn_norm"):
+            callback = self._record_block_input if role == "input_norm" else self._record_x
+            module.register_forward_pre_hook(callback, with_kwargs=True)
+        else:
+            module.register_forward_hook(self._apply_attention_update if role == "attention_out" else self._apply_update)
+        self._sites[role] = _site(layer, module)
+
+    def _follow_wrappers(self, layer: nn.Module) -> None:
+        """A role's module replaced in its parent since the patch (PEFT wraps a Linear in a LoRA layer that
+        calls it as `base_layer`): hook the module that now sits there, so the rule sees the output the layer
+        adds, adapter included (the hook left on the inner module would see the output without it)."""
+        for role, (parent, name, module) in list(self._sites.items()):
+            if parent._modules.get(name) is not module:
+                _remove_hooks_of(module, self)
+                self._hook(layer, role)
+        if self.fused_execution is not None and not self.fused_execution.in_place():
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(layer).__name__}) runs with parallel_execution='fused', but an "
+                "input projection was replaced since the patch (an adapter such as PEFT's LoRA wraps it), which would "
+                "run on the un-normed block input; use parallel_execution='hooks' with adapters."
+            )
+
     def install(self, layer: nn.Module) -> None:
-        spec = self.spec
+        self._sites = {}  # role -> (parent, attribute name, the hooked module)
         if self.fused_execution is not None:
             self.fused_execution.install()
-        if "input_norm" in self.roles:
-            spec.submodule(layer, "input_norm").register_forward_pre_hook(self._record_block_input, with_kwargs=True)
-        if "attention_out" in self.roles:
-            spec.submodule(layer, "attention_out").register_forward_hook(self._apply_attention_update)
-        if "ffn_norm" in self.roles:
-            spec.submodule(layer, "ffn_norm").register_forward_pre_hook(self._record_x, with_kwargs=True)
-        if "ffn_out" in self.roles:
-            spec.submodule(layer, "ffn_out").register_forward_hook(self._apply_update)
+        for role in ("input_norm", "attention_out", "ffn_norm", "ffn_out"):
+            if role in self.roles:
+                self._hook(layer, role)
         if self.roles:
             layer.register_forward_pre_hook(self._enter, with_kwargs=True)
             layer.register_forward_hook(self._exit, always_call=True)
@@ -215,7 +243,17 @@ class TangentLayer(nn.Module):
             self.fused_execution.uninstall()
         for module in layer.modules():
             _remove_hooks_of(module, self)
+        for _, _, module in self._sites.values():  # a module hooked before a wrapper replaced it (see _follow_wrappers)
+            _remove_hooks_of(module, self)
+        self._sites = {}
         self._calls.clear()
+
+
+def _site(layer: nn.Module, module: nn.Module) -> tuple[nn.Module, str, nn.Module]:
+    """(parent, attribute name, module) of a submodule of `layer`."""
+    name = next(n for n, m in layer.named_modules() if m is module)
+    parent, _, attribute = name.rpartition(".")
+    return layer.get_submodule(parent), attribute, module
 
 
 def _remove_hooks_of(module: nn.Module, owner: nn.Module) -> None:

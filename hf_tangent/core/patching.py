@@ -23,6 +23,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import sys
 import warnings
 
 import torch
@@ -54,6 +55,47 @@ def _refuse_inside_disabled(base, function: str) -> None:
         raise ValueError(f"hf_tangent.{function}: the model is inside `with hf_tangent.disabled(model):`, which puts its "
                          f"patch back when the block ends, so this change would be undone silently; call "
                          f"hf_tangent.{function} after the block.")
+
+
+def _owner(model):
+    """The patching module of another copy of this core whose patch `model` carries, or None (unpatched, or
+    patched by this copy). A model loaded through a saved folder's remote code is patched by the folder's copy
+    of these modules: its layers and config are that copy's classes, so the public functions below hand such a
+    model to that copy, which works on its own patch exactly as this one works on its own."""
+    config = vars(unwrap(model)).get(_MODEL_ATTR) if isinstance(model, nn.Module) else None
+    if config is None or type(config) is TangentConfig:
+        return None
+    owner = getattr(type(config), "_patching", None)  # set below by each copy on its own class
+    if owner is None:  # a copy older than that attribute
+        owner = sys.modules.get(type(config).__module__.rpartition(".")[0] + ".patching")
+    if owner is None or owner is sys.modules[__name__]:
+        raise ValueError(f"hf_tangent: the model's patch was made by {type(config).__module__}, whose patching module "
+                         "is not loaded; load the model with hf_tangent.from_pretrained instead.")
+    return owner
+
+
+# Which copy's functions own a config of this class: transformers 4.x may import a folder's remote code again
+# (another folder of the same name), and the classes of the first import then belong to no module in sys.modules.
+TangentConfig._patching = sys.modules[__name__]
+
+
+def _delegate(model, function: str, *args, **kwargs):
+    """`function` of the copy that owns the model's patch (see _owner)."""
+    owner = _owner(model)
+    target = getattr(owner, function, None)
+    if target is None:
+        version = getattr(sys.modules.get(owner.__name__.rpartition(".")[0] + "._version"), "__version__", "?")
+        raise ValueError(f"hf_tangent.{function}: the model's patch was made by the remote code of a folder saved with "
+                         f"hf_tangent {version} ({owner.__name__}), which has no {function}; load the folder with "
+                         "hf_tangent.from_pretrained to use this function on it.")
+    return target(model, *args, **kwargs)
+
+
+def _as_owner_config(owner, config):
+    """`config` as a TangentConfig of the owning copy (its own class: the copies do not share classes)."""
+    if not hasattr(config, "to_dict"):
+        raise TypeError(f"hf_tangent.patch expects a TangentConfig, got {type(config).__name__}.")
+    return owner.TangentConfig.from_dict(config.to_dict(), strict=True)
 
 
 def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
@@ -266,6 +308,8 @@ def patch(model, config: TangentConfig):
     Patching again replaces the patch. The call is atomic: if anything is wrong (the model, the
     config, a layer), it raises and the model keeps its previous patch, gate values included.
     """
+    if _owner(model) is not None:
+        return _delegate(model, "patch", _as_owner_config(_owner(model), config))
     return _patch(model, config, verify=True)
 
 
@@ -282,7 +326,9 @@ def patch_saved(model, config: TangentConfig):
 
 def _patch(model, config: TangentConfig, *, verify: bool):
     if not isinstance(config, TangentConfig):
-        raise TypeError(f"hf_tangent.patch expects a TangentConfig, got {type(config).__name__}.")
+        if type(config).__name__ != "TangentConfig" or not hasattr(config, "to_dict"):
+            raise TypeError(f"hf_tangent.patch expects a TangentConfig, got {type(config).__name__}.")
+        config = TangentConfig.from_dict(config.to_dict(), strict=True)  # another copy's class (remote code)
     config = config.frozen_copy()  # validated again: fields set after construction are checked too
     spec, layers = _check_model(model)
     num_layers = len(layers)
@@ -326,6 +372,8 @@ def unpatch(model):
     """Remove the patch (also through PEFT/DDP wrappers): outputs are bit-identical to the model
     before `patch`. Returns the model as passed."""
     base = require_model(model, "unpatch")
+    if _owner(base) is not None:
+        return _delegate(model, "unpatch")
     _refuse_inside_disabled(base, "unpatch")
     _remove(base, _snapshot(base))
     return model
@@ -336,6 +384,8 @@ def update_config(model, **changes):
     values of layers that stay gated and the homotopy lambda (set_homotopy) are kept.
     `update_config(model, beta=0.5)`."""
     base = require_model(model, "update_config")
+    if _owner(base) is not None:
+        return _delegate(model, "update_config", **changes)
     _refuse_inside_disabled(base, "update_config")
     current = get_config(base)
     if current is None:
@@ -375,6 +425,10 @@ def preserved(model):
     an exception): the model's patch is the very same one as before, gate values and lambda included.
     The shared context of the analyses (they patch the model they are given, to compare rules)."""
     base = unwrap(model)
+    if _owner(base) is not None:
+        with _delegate(model, "preserved"):
+            yield model
+        return
     state, marker = _snapshot(base), vars(base).pop(_DISABLED_ATTR, None)
     state.record = copy.deepcopy(state.record)  # set_homotopy writes into the record and the layers
     blends = [(child, child.blend) for _, child in state.children]
@@ -394,6 +448,10 @@ def without_patch(model):
     """The model unpatched inside the block, free to be patched and unpatched by an analysis that
     compares rules on it; the very same patch back on exit (preserved). `disabled` is the public
     form, which refuses patching inside."""
+    if _owner(model) is not None:
+        with _delegate(model, "without_patch"):
+            yield model
+        return
     with preserved(model):
         _remove(unwrap(model), _snapshot(unwrap(model)))
         yield model
@@ -405,6 +463,10 @@ def disabled(model):
     also after an exception, the very same patch is back, gate values included. `patch`, `unpatch`,
     `update_config` and `set_homotopy` refuse inside the block (their change would be undone)."""
     base = require_model(model, "disabled")
+    if _owner(base) is not None:
+        with _delegate(model, "disabled"):
+            yield model
+        return
     with preserved(base):
         _remove(base, _snapshot(base))
         vars(base)[_DISABLED_ATTR] = True
@@ -429,6 +491,8 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
     bit-identical to the unpatched model, 1 to the patch. Recorded in the saved patch, with the
     schedule (`schedule`, `steps`) that set it, if any."""
     base = require_model(model, "set_homotopy")
+    if _owner(base) is not None:
+        return _delegate(model, "set_homotopy", value, schedule=schedule, steps=steps)
     _refuse_inside_disabled(base, "set_homotopy")
     record = getattr(base.config, CONFIG_KEY, None)
     if get_config(base) is None or record is None:
@@ -473,6 +537,8 @@ def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
 def get_homotopy(model) -> float | dict[int, float] | None:
     """The patch's homotopy lambda (1.0 unless set_homotopy changed it); {layer: lambda} when the
     layers differ; None when the model is not patched (as get_config)."""
+    if _owner(model) is not None:
+        return _delegate(model, "get_homotopy")
     if get_config(model) is None:
         return None
     values = {child.index: child.blend for child in tangent_layers(model)}
@@ -482,10 +548,16 @@ def get_homotopy(model) -> float | dict[int, float] | None:
 
 
 def get_config(model) -> TangentConfig | None:
-    """The active (read-only) TangentConfig of a patched model, through any wrapper, or None."""
-    return vars(require_model(model, "get_config")).get(_MODEL_ATTR)
+    """The active (read-only) TangentConfig of a patched model, through any wrapper, or None. (For a model
+    patched by a folder's remote code: a read-only copy in this copy's class.)"""
+    config = vars(require_model(model, "get_config")).get(_MODEL_ATTR)
+    if _owner(model) is not None:
+        config = TangentConfig.from_dict(config.to_dict(), strict=True).frozen_copy()
+    return config
 
 
 def tangent_layers(model) -> list[TangentLayer]:
     """The per-layer patch modules, in layer order (through PEFT, DDP, FSDP and DeepSpeed wrappers)."""
+    if _owner(model) is not None:
+        return _delegate(model, "tangent_layers")
     return [child for _, child in _patched_layers(model)] if get_config(model) else []

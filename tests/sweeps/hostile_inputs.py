@@ -1040,6 +1040,47 @@ def cpu_kernel_cases(tmp: Path):
     expect_ok("cpu_kernel", "inside ht.disabled: generate as the unpatched model", disabled_is_the_base)
 
 
+def remote_code_cases(tmp: Path):
+    """Issue 45: hf_tangent's API on a model loaded through a saved folder's remote code (its patch is the
+    folder's copy of the core): each function works as on an ht.patch'ed model, or refuses by name, leaving
+    the model as it was."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp / "remote_code_folder"
+    if not folder.exists():
+        ht.save_hub_folder(patched_tiny(), folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    plain = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    ht.unpatch(plain)
+    expect_ok("remote_code", "the layers are found", lambda: [c.index for c in ht.tangent_layers(model)] == [0, 1, 2])
+    expect_ok("remote_code", "get_config is a read-only TangentConfig",
+              lambda: isinstance(ht.get_config(model), ht.TangentConfig) and ht.get_config(model).is_frozen)
+    for value, message in [(1.5, "accepted: a number in [0, 1]"), (float("nan"), "accepted: a number in [0, 1]"),
+                           ({0: 0.5}, "accepted: exactly the patched layers")]:
+        expect_error("remote_code", f"set_homotopy {value!r}", lambda v=value: ht.set_homotopy(model, v), message, model)
+    expect_error("remote_code", "update_config beta=2", lambda: ht.update_config(model, update="soft", beta=2.0),
+                 "TangentConfig.beta", model)
+    expect_error("remote_code", "update_config unknown field", lambda: ht.update_config(model, betta=0.5),
+                 "unknown TangentConfig fields", model)
+    expect_error("remote_code", "patch with a string", lambda: ht.patch(model, "projected"), "expects a TangentConfig",
+                 model)
+    expect_error("remote_code", "save_patch without base_model", lambda: ht.save_patch(model, tmp / "remote_repo"),
+                 "pass base_model=", model)
+    expect_ok("remote_code", "save_patch refused: nothing written", lambda: not (tmp / "remote_repo").exists())
+    before = fingerprint(model)
+    with ht.disabled(model):
+        expect_ok("remote_code", "disabled: the unpatched model", lambda: torch.equal(logits(model), logits(plain)))
+        expect_error("remote_code", "unpatch inside disabled", lambda: ht.unpatch(model), "inside `with hf_tangent.disabled")
+    record("remote_code", "disabled: the same patch after the block", "ok" if same(before, fingerprint(model)) else "half-patched")
+
+    def unpatched_is_plain():
+        m = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        ht.unpatch(m)
+        return ht.get_config(m) is None and not ht.tangent_layers(m) and torch.equal(logits(m), logits(plain))
+
+    expect_ok("remote_code", "unpatch: the unpatched model", unpatched_is_plain)
+
+
 # group -> its cases (a function of a scratch folder and the tiny model folder)
 GROUPS = {
     "config": lambda tmp, folder: config_cases(),
@@ -1059,6 +1100,7 @@ GROUPS = {
     "lm_eval": lm_eval_cases,
     "options": lambda tmp, folder: options_cases(tmp),
     "entries": entries_cases,
+    "remote_code": lambda tmp, folder: remote_code_cases(tmp),
     "cpu_kernel": lambda tmp, folder: cpu_kernel_cases(tmp),
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]

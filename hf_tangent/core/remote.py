@@ -1,0 +1,49 @@
+"""What the generated remote code of a patched folder runs (artifacts/hub.py writes the two small files
+that call it): the patched config and model classes are the base's own classes under hf_tangent's
+model_type, so whatever transformers does per `model_type` or per class name has to be done for those
+names too.
+
+transformers 5 loads and saves weights through a conversion table keyed on the class name and the
+`model_type` (key renames such as GPT-NeoX's `embed_out` -> `lm_head`, experts fused into one tensor
+for MoE families), and skips it for custom code whose names were not registered. A folder holds the
+weights in the base's checkpoint layout (the base's save converted them back), so the patched names
+get exactly the base's entries: the same conversions on load, and on a save through the remote code.
+transformers 4.x has no such table (per-class key maps there are class attributes, which the subclass
+inherits).
+"""
+
+from __future__ import annotations
+
+from .config import TangentConfig
+from .patching import CONFIG_KEY, patch, set_homotopy
+
+
+def register_conversions(patched_class: str, base_class: str, patched_type: str, base_type: str) -> None:
+    """Give the patched class name and model_type the conversion entries transformers keeps for the
+    base's class name and model_type (none on transformers 4.x, none where the base has none)."""
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:  # transformers 4.x
+        return
+    for patched, base in ((patched_class, base_class), (patched_type, base_type)):
+        mapping = get_checkpoint_conversion_mapping(base)
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(patched, mapping, overwrite=True)
+
+
+def init_patched(model, config) -> None:
+    """The patch a saved record describes, applied in the model's `__init__` (which creates the gates that
+    from_pretrained then fills)."""
+    record = getattr(config, CONFIG_KEY, None)
+    if record is None:
+        return
+    fields = dict(record["config"])
+    if fields.get("implementation") == "triton":  # a CUDA kernel: the same rule as one autograd Function
+        fields["implementation"] = "fused"
+    patch(model, TangentConfig.from_dict(fields, strict=True))
+    if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
+        set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
+                     steps=record["homotopy"].get("steps"))

@@ -1,0 +1,234 @@
+"""The conformance matrix (tests/conformance.py): the seed families and one MoE in every run, the kept report
+of the whole matrix fresh against the code it was measured on, and each defect the matrix found pinned."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from architectures import PROBE_IDS, build
+from conformance import (
+    DOC,
+    LOADERS,
+    MADE_FOR,
+    SEED_TYPES,
+    VARIANTS,
+    check_type,
+    core_digest,
+    kept_reports,
+    render,
+)
+from transformers import AutoModelForCausalLM
+
+import hf_tangent as ht
+
+pytestmark = pytest.mark.core  # the oldest transformers runs these too (.ci/run)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=PROBE_IDS, use_cache=False).logits
+
+
+@pytest.mark.parametrize("model_type", SEED_TYPES)
+def test_seed_family_every_artifact_every_loader(model_type, tmp_path):
+    row = check_type(model_type, tmp_path)
+    bad = [c for c in row["cells"] if c["status"] in ("wrong", "error")]
+    assert not bad, bad
+    exact = {(c["variant"], c["artifact"], c["loader"], c["dtype"]) for c in row["cells"] if c["status"] == "exact"}
+    # every artifact made for a loader loads exactly through it, in float32 for every variant the type takes
+    taken = [v for v in VARIANTS if f"{v}: refused at patch" not in row["note"]]
+    assert "projected, gates, parallel layer 0" in taken and "retract p=2, last layer, lambda 0.5" in taken
+    for variant in taken:
+        artifacts = {c["artifact"] for c in row["cells"] if c["variant"] == variant}
+        for artifact, loader in MADE_FOR:
+            if artifact in artifacts:
+                assert (variant, artifact, loader, "float32") in exact, (variant, artifact, loader)
+    assert ("projected, gates, parallel layer 0", "hub folder", "transformers", "bfloat16") in exact
+    # the LoRA patch repo: hf_tangent loads it exactly, PEFT's own loader refuses it (and its adapter/ folder)
+    lora = [c for c in row["cells"] if c["variant"] == "projected, gates, LoRA" and c["artifact"] == "patch repo"]
+    assert {c["loader"]: c["status"] for c in lora} == {"transformers": "refused", "no remote code": "refused",
+                                                       "hf_tangent": "exact", "PEFT": "refused"}
+
+
+def test_kept_matrix_is_fresh_and_holds_no_wrong_cell():
+    reports = kept_reports()
+    versions = {r["versions"]["transformers"] for r in reports}
+    assert "4.57.1" in versions and any(v.startswith("5.") for v in versions), versions  # CI's oldest and newest
+    for report in reports:
+        assert report["core_digest"] == core_digest(), (
+            f"docs/results/conformance (transformers {report['versions']['transformers']}) was measured on other "
+            "core/ or artifacts/ code: run `python tests/conformance.py` in each environment .ci/run makes")
+        cells = [c for row in report["rows"] for c in row["cells"]]
+        assert not [c for c in cells if c["status"] in ("wrong", "error")]
+        assert {c["loader"] for c in cells} == set(LOADERS)
+        for model_type in SEED_TYPES:
+            assert any(row["type"] == model_type and row["cells"] for row in report["rows"]), model_type
+    assert DOC.read_text(encoding="utf-8") == render(reports), "run `python tests/conformance.py --render`"
+
+
+def test_render_counts_cells_by_loader_and_names_the_versions():
+    report = {"versions": {"transformers": "9.9", "torch": "2", "peft": "1", "hf_tangent": "0"}, "seconds": 3,
+              "rows": [{"type": "t", "family": "f", "note": "", "cells": [
+                  {"loader": "transformers", "status": "exact"}, {"loader": "transformers", "status": "exact"},
+                  {"loader": "PEFT", "status": "refused"}, {"loader": "hf_tangent", "status": "wrong"}]},
+                  {"type": "u", "family": "f", "note": "not patched", "cells": []}]}
+    page = render([report])
+    assert "## transformers 9.9 (torch 2, PEFT 1, hf_tangent 0)" in page and "1 types patched, 4 cells in 3 s." in page
+    assert "| transformers | 2 | 0 | 0 | 0 | 0 |" in page and "| hf_tangent | 0 | 0 | 0 | 1 | 0 |" in page
+    assert "| PEFT | 0 | 1 | 0 | 0 | 0 |" in page
+    assert "| t | f | exact 2 |  | wrong 1 | refused 1 |  |" in page
+    assert "refused at patch time, as\n[architectures.md](architectures.md) says): u." in page
+
+
+# ----------------------------------------------------------------------------- defects the matrix found
+def _saved(model, tmp_path, name="folder"):
+    ht.save_hub_folder(model, tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "diffllama", "emu3"])
+def test_remote_code_and_hf_tangent_load_types_that_failed(model_type, tmp_path):
+    """falcon_h1: an inf in its config (transformers writes {"__float__": "Infinity"}) was refused by
+    ht.from_pretrained, and the remote class left its non-persistent mup_vector uninitialised (NaN logits:
+    transformers 5 initialises custom code's modules differently); diffllama: a gate created on the meta device
+    failed the remote load; emu3 (emu3_text_model): no AutoModelForCausalLM entry, so ht.from_pretrained failed."""
+    model = ht.patch(build(model_type), ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(0.7)
+    ref = _logits(model)
+    folder = _saved(model, tmp_path)
+    remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    for loaded in (remote, ht.from_pretrained(folder)):
+        out = _logits(loaded)
+        assert torch.isfinite(out).all()
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fused_parallel_survives_kernelize_and_mode_changes(tmp_path):
+    """transformers 5 `kernelize`s a model in from_pretrained and on every train/eval switch, which put back
+    the RMSNorms' own forward that the fused path had replaced: the norm gains applied twice, silently."""
+    base = build("llama")
+    base.save_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # kernelized (use_kernels defaults on)
+    hooks = ht.patch(copy.deepcopy(loaded), ht.TangentConfig(parallel_layers=[0, 1], update="projected"))
+    fused = ht.patch(loaded, ht.TangentConfig(parallel_layers=[0, 1], update="projected", parallel_execution="fused"))
+    ref = _logits(hooks)
+    assert (_logits(fused) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    fused.train()
+    fused.eval()  # each switch re-kernelizes
+    assert (_logits(fused) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    folder = _saved(fused, tmp_path)
+    remote = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert (_logits(remote) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fused_parallel_refuses_a_projection_replaced_after_the_patch():
+    model = ht.patch(build("llama"), ht.TangentConfig(parallel_layers=[0], parallel_execution="fused"))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    del vars(q_proj)["forward"]  # as a tool that puts the module's own forward back would
+    with pytest.raises(RuntimeError, match="not every input projection took its slice"):
+        _logits(model)
+
+
+def test_api_works_on_a_model_loaded_through_remote_code(tmp_path):
+    """Each function used to see no patch on such a model (its layers are the folder's copy's classes):
+    unpatch returned and left it patched, disabled and set_homotopy changed nothing, update_config failed."""
+    base = build("llama")
+    unpatched = _logits(base)
+    model = ht.patch(copy.deepcopy(base), ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(0.5)
+    ref = _logits(model)
+    remote = AutoModelForCausalLM.from_pretrained(_saved(model, tmp_path), trust_remote_code=True)
+    assert type(remote).__module__.startswith("transformers_modules")
+    assert [c.index for c in ht.tangent_layers(remote)] == [0, 1]
+    config = ht.get_config(remote)
+    assert isinstance(config, ht.TangentConfig) and config.update == "projected" and config.is_frozen
+    with ht.disabled(remote):
+        assert torch.equal(_logits(remote), unpatched)
+        with pytest.raises(ValueError, match="inside `with hf_tangent.disabled"):
+            ht.unpatch(remote)
+    assert torch.equal(_logits(remote), ref)
+    ht.set_homotopy(remote, 0.0)
+    assert ht.get_homotopy(remote) == 0.0 and torch.equal(_logits(remote), unpatched)
+    ht.set_homotopy(remote, 1.0)
+    ht.update_config(remote, update="retract", p=2.0)
+    assert ht.get_config(remote).update == "retract" and [c.gate.item() for c in ht.tangent_layers(remote)] == [0.5, 0.5]
+    expected = ht.update_config(copy.deepcopy(model), update="retract", p=2.0)
+    assert (_logits(remote) - _logits(expected)).abs().max() <= 1e-6 * ref.abs().max()
+    ht.unpatch(remote)
+    assert ht.get_config(remote) is None and ht.tangent_layers(remote) == []
+    assert torch.equal(_logits(remote), unpatched)
+
+
+def test_save_patch_of_a_model_loaded_from_a_complete_folder(tmp_path):
+    """Its config names the patched folder, which a patch repo cannot point at as its (unpatched) base."""
+    base = build("gpt_neox")
+    base.save_pretrained(tmp_path / "base")
+    model = ht.patch(copy.deepcopy(base), ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(1.5)
+    folder = _saved(model, tmp_path)
+    for loaded in (AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True), ht.from_pretrained(folder)):
+        with pytest.raises(ValueError, match="a complete patched folder, but a patch repo points at an unpatched base"):
+            ht.save_patch(loaded, tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+        repo = ht.save_patch(loaded, tmp_path / f"repo-{id(loaded)}", base_model=str(tmp_path / "base"))
+        record = json.loads((repo / "hf_tangent_patch.json").read_text())
+        assert record["base"]["architecture"] == "GPTNeoXForCausalLM"
+        assert torch.equal(_logits(ht.from_pretrained(repo)), _logits(model))
+
+
+def test_remote_code_load_in_a_fresh_process_without_hf_tangent_importable(tmp_path):
+    """The folder's remote code alone (hf_tangent cannot be imported in that process): GPT-NeoX, whose
+    `embed_out` the base's save writes and transformers 5 renames on load for its own model_type only."""
+    model = ht.patch(build("gpt_neox"), ht.TangentConfig(update="projected", eps_mode="relative"))
+    folder = _saved(model, tmp_path)
+    torch.save(_logits(model), tmp_path / "ref.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["hf_tangent"] = None  # import hf_tangent fails here
+        import torch
+        from transformers import AutoModelForCausalLM
+        sys.path.insert(0, {str(sys.path[0])!r})
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor([[1 + (13 * i + 5) % 200 for i in range(7)]])
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False).logits
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max(), (out - ref).abs().max()
+        print("exact")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "exact" in result.stdout, result.stderr[-2000:]
+
+
+def test_lora_on_the_hooked_linear_goes_through_the_rule():
+    """BioGPT's FFN output is `fc2` itself, so the rule's hook sat on the Linear that PEFT wraps: the adapter's
+    update was added after the rule, unprojected (merged and unmerged models differed by ~14 % of the logit
+    scale). The reference merges the adapter into the weights by hand, then patches."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build("biogpt")
+    config = ht.TangentConfig(update="projected", eps_mode="relative")
+    torch.manual_seed(1)
+    peft = get_peft_model(ht.patch(copy.deepcopy(base), config),
+                          LoraConfig(target_modules=["fc2"], r=4, lora_alpha=8, init_lora_weights=False))
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            if name.endswith(".fc2") and hasattr(module, "lora_A"):
+                target = merged.get_submodule(name.removeprefix("base_model.model."))
+                target.weight += module.scaling["default"] * module.lora_B["default"].weight @ module.lora_A["default"].weight
+    expected = _logits(ht.patch(merged, config))
+    assert (_logits(peft) - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert (_logits(peft.merge_and_unload()) - expected).abs().max() <= 1e-5 * expected.abs().max()
