@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+import transformers
 from architectures import PROBE_IDS, build
 from conformance import (
     DOC,
@@ -98,7 +99,13 @@ def test_remote_code_and_hf_tangent_load_types_that_failed(model_type, tmp_path)
     ht.from_pretrained, and the remote class left its non-persistent mup_vector uninitialised (NaN logits:
     transformers 5 initialises custom code's modules differently); diffllama: a gate created on the meta device
     failed the remote load; emu3 (emu3_text_model): no AutoModelForCausalLM entry, so ht.from_pretrained failed."""
-    model = ht.patch(build(model_type), ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))
+    try:
+        base = build(model_type)
+    except Exception as err:  # noqa: BLE001 - emu3 has no tiny build on transformers 4.57
+        if transformers.__version__.startswith("5."):
+            raise
+        pytest.skip(f"{model_type} does not build tiny on transformers {transformers.__version__}: {err}")
+    model = ht.patch(base, ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))
     with torch.no_grad():
         for child in ht.tangent_layers(model):
             child.gate.fill_(0.7)
