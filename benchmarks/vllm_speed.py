@@ -3,9 +3,10 @@
     python benchmarks/vllm_speed.py --output benchmarks/results/vllm_cpu.json     # ~10 min, 2 cores
 
 In vLLM's environment (tests/test_vllm.py says how to make it). Variants: the unpatched folder,
-`projected` on every layer (served as it is by default, with the CPU update kernel in decode, and once
-more with the kernel switched off: "projected, tensor ops"), and the parallel conversion of 8 and 12
-layers (the healing study's sets).
+`projected` on every layer, and the parallel conversion of 8 and 12 layers (the healing study's sets).
+(The kept report, benchmarks/results/vllm_cpu.json, is of an earlier release that served `projected` in
+decode through a C function, removed since (issue 46), and once more as tensor ops, "projected, tensor
+ops": how every folder is served now.)
 Per variant: prefill tokens/s (16 prompts of 256 tokens, 1 new token), decode tokens/s at batch 1
 (one request, 64 new tokens) and at 32 concurrent requests (64 new tokens each); each measured
 `--repeats` times, median. Beside them: transformers `generate` on the patched model (batch 1 and
@@ -54,12 +55,7 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return pack_windows(tokenizer, load_documents(split="evaluation"), length, n).tolist()
 
 
-def vllm_rates(folder: Path, tokenizer, repeats: int, eager: bool = True, kernel: bool = True) -> dict:
-    if not kernel:  # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the rules as tensor ops
-        from decode_speed import tensor_ops
-
-        with tensor_ops():
-            return vllm_rates(folder, tokenizer, repeats, eager)
+def vllm_rates(folder: Path, tokenizer, repeats: int, eager: bool = True) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -138,11 +134,7 @@ def main(argv=None) -> dict:
     tokenizer = load_tokenizer("smollm2-135m")
     with tempfile.TemporaryDirectory() as tmp:
         paths = folders(Path(tmp))
-        order = list(paths)
-        order.insert(order.index("projected") + 1, "projected, tensor ops")
-        paths["projected, tensor ops"] = paths["projected"]
-        rows = {name: vllm_rates(paths[name], tokenizer, args.repeats, not args.cuda_graphs, kernel=name != "projected, tensor ops")
-                for name in order}
+        rows = {name: vllm_rates(paths[name], tokenizer, args.repeats, not args.cuda_graphs) for name in paths}
         hf = transformers_rates(paths["projected"], tokenizer, args.repeats)
         agree = {name: agreement(path, rows[name].pop("greedy"), tokenizer) for name, path in paths.items()}
     base = rows["unpatched"]

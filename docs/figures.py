@@ -601,49 +601,44 @@ def vllm_speed() -> str:
 
 def rule_calls() -> str:
     r = report("benchmarks/results/rule_calls_cpu.json")
-    calls = {k: v for k, v in r["us_per_call"].items() if k != "rows_limit"}
-    limits = r["us_per_call"]["rows_limit"]
+    calls = r["us_per_call"]
     rules = list(dict.fromkeys(k.split(", ")[0] for k in calls))
     counts = list(dict.fromkeys(k.split(", ")[1] for k in calls))
-    rows = [[f"`{rule}` (kernel up to {limits[rule]} rows)",
-             *(f"{calls[f'{rule}, {n}']['default']:.0f} / {calls[f'{rule}, {n}']['tensor ops']:.0f} us" for n in counts)]
-            for rule in rules]
-    return (f"One call of the rule alone (float32, rows of {r['width']}, {r['threads']} threads): microseconds per call "
-            f"as it runs by default / as tensor ops, median of {r['repeats']} interleaved rounds of 2000 calls "
+    rows = [[f"`{rule}`", *(f"{calls[f'{rule}, {n}']:.0f} us" for n in counts)] for rule in rules]
+    clock = "CPU time of the process" if r.get("clock") == "cpu" else "wall clock"
+    return (f"One call of the rule alone (tensor ops, no gradient, float32, rows of {r['width']}, {r['threads']} "
+            f"thread{'s' * (r['threads'] != 1)}, {clock}): microseconds per call, median of {r['repeats']} interleaved "
+            "rounds of 2000 calls "
             "(`benchmarks/decode_speed.py --calls`, [benchmarks/results/rule_calls_cpu.json]"
             "(../benchmarks/results/rule_calls_cpu.json)):\n\n" + table(["rule", *counts], rows))
 
 
+DECODE_RUNS = ("benchmarks/results/decode_cpu.json", "benchmarks/results/decode_cpu_process_time.json")
+
+
 def decode_speed() -> str:
-    r = report("benchmarks/results/decode_cpu.json")
+    return "\n".join(_decode_run(path) for path in DECODE_RUNS)
+
+
+def _decode_run(path: str) -> str:
+    r = report(path)
     batches = list(r["rows"])
-    variants = list(dict.fromkeys(v.rsplit(", ", 1)[0] for v in r["rows"][batches[0]]))
+    variants = list(r["rows"][batches[0]])
+    cpu = r.get("clock", "wall") == "cpu"
 
     def cell(batch, name):
         x = r["rows"][batch][name]
         return f"{x['tokens_per_s_ratio']:.3f} [{x['q25']:.3f}, {x['q75']:.3f}]"
 
-    rows = [[v, *(cell(b, f"{v}, {impl}") for b in batches for impl in ("kernel", "tensor ops"))] for v in variants]
     base = {b: next(iter(r["rows"][b].values()))["unpatched_tokens_per_s"] for b in batches}
-    return (f"transformers `generate`, SmolLM2-135M ({r['dtype']}, {r['threads']} threads, {r['prompt_tokens']}-token prompts, "
-            f"{r['new_tokens']} new tokens, greedy): tokens/s of the patched model over the unpatched one, median of "
-            f"{r['repeats']} interleaved rounds [quartiles] (`benchmarks/decode_speed.py`, "
-            "[benchmarks/results/decode_cpu.json](../benchmarks/results/decode_cpu.json)); the unpatched model ran at "
-            + ", ".join(f"{base[b]:.0f} tok/s ({b})" for b in batches) + ":\n\n"
-            + table(["variant", *(f"{b}, {impl}" for b in batches for impl in ("kernel", "tensor ops"))], rows)
-            + "\n" + _previous_decode_run())
-
-
-def _previous_decode_run() -> str:
-    """The run before, of the same code at batch 1 (kept): how far two runs of one benchmark fall apart here."""
-    r = report("benchmarks/results/decode_cpu_previous.json")
-    rows = r["rows"]["batch 1"]
-    cells = ", ".join(f"{name} {rows[name + ', kernel']['tokens_per_s_ratio']:.3f} / "
-                      f"{rows[name + ', tensor ops']['tokens_per_s_ratio']:.3f}"
-                      for name in dict.fromkeys(k.rsplit(", ", 1)[0] for k in rows))
-    return ("The run before this one (commit c1b853b; the decode path unchanged since), same settings, batch 1 only "
-            "([benchmarks/results/decode_cpu_previous.json](../benchmarks/results/decode_cpu_previous.json)), "
-            f"kernel / tensor ops: {cells}; unpatched {rows[next(iter(rows))]['unpatched_tokens_per_s']:.0f} tok/s.\n")
+    return (f"transformers `generate`, SmolLM2-135M ({r['dtype']}, {r['threads']} thread{'s' * (r['threads'] != 1)}, "
+            f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens, greedy), timed by "
+            + ("the process's CPU time" if cpu else "the wall clock")
+            + ": tokens/s of the patched model over the unpatched one, both measured in one run, median of "
+            f"{r['repeats']} interleaved rounds [quartiles] (`benchmarks/decode_speed.py`, [{path}](../{path}); "
+            f"{r['timed_s'] // 60} min {r['timed_s'] % 60} s of timed rounds); the unpatched model ran at "
+            + ", ".join(f"{base[b]:.0f} tok/s ({b})" for b in batches) + (" of CPU time" if cpu else "") + ":\n\n"
+            + table(["variant", *batches], [[v, *(cell(b, v) for b in batches)] for v in variants]))
 
 
 # ----------------------------------------------------------------------------- the module table of docs/core.md

@@ -238,7 +238,8 @@ def projected(x: torch.Tensor, y: torch.Tensor, layer: int | None = None, eps: f
 def pytest_collection_modifyitems(config, items):
     """The Triton kernels' tests first, while the process is young: once (a clean-clone CI run,
     2026-12-03) triton 3.9's interpreter crashed with a segfault in the custom op's dispatch on the first
-    kernel call, after about 1000 other tests in the same process; test_triton.py alone, after
-    test_cpu_update.py, and after 300 tests under AddressSanitizer passed. Only the order changes."""
+    kernel call, after about 1000 other tests in the same process; test_triton.py alone, after the tests of
+    the C update kernel of that time (removed since, issue 46), and after 300 tests under AddressSanitizer
+    passed. Only the order changes."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_triton.py")

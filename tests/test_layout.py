@@ -1,7 +1,7 @@
 """The package's layout contracts (issue 33): import-linter's contracts in .importlinter hold (the core
 imports nothing else of hf_tangent, the layers point one way, no cycle, function-level imports
 included); no module loads one of the package's own modules through importlib; the core listed for
-import-linter is the remote code every patched folder ships."""
+import-linter is the remote code every patched folder ships; no module builds or loads native code (issue 46)."""
 
 import ast
 import configparser
@@ -33,6 +33,33 @@ def test_no_importlib_load_of_the_package_itself():
                 if not isinstance(arg, ast.Constant) or text.startswith(".") or text.startswith("hf_tangent"):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "importlib loads a module of the package (import it by name instead):\n" + "\n".join(found)
+
+
+NATIVE = {"ctypes", "_ctypes", "cffi", "torch.utils.cpp_extension", "setuptools", "distutils", "cython", "numba"}
+# the only programs the package runs: apt-get and dpkg-deb, to fetch and unpack the offline text (training/corpora)
+PROGRAMS = {"apt-get", "dpkg-deb"}
+
+
+def test_no_native_code_is_built_or_loaded():
+    """Torch and Triton compile what they compile; the package itself imports no FFI or extension builder,
+    calls no load_inline / CDLL / dlopen, and runs no program but apt-get and dpkg-deb (named literally)."""
+    found = []
+    for path in sorted((ROOT / "hf_tangent").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}: "
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                     else [])
+            found += [where + name for name in names if any(name == n or name.startswith(n + ".") for n in NATIVE)]
+            if isinstance(node, ast.Attribute | ast.Name) and (getattr(node, "attr", None) or getattr(node, "id", None)) in (
+                    "load_inline", "CDLL", "LoadLibrary", "dlopen", "cdll"):
+                found.append(where + ast.unparse(node))
+            if isinstance(node, ast.Call) and ast.unparse(node.func).startswith(("subprocess.", "os.system", "os.exec",
+                                                                                  "os.spawn", "os.popen")):
+                program = node.args[0].elts[0] if node.args and isinstance(node.args[0], ast.List) else None
+                if not (isinstance(program, ast.Constant) and program.value in PROGRAMS):
+                    found.append(where + ast.unparse(node)[:120])
+    assert not found, "native code built or loaded, or a program run, by the package:\n" + "\n".join(found)
 
 
 def test_the_core_of_the_contracts_is_the_remote_code():

@@ -115,3 +115,16 @@ def test_hub_folder_of_a_triton_model_loads_without_hf_tangent(tmp_path, ids):
     with torch.no_grad():
         expected = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))(ids).logits
     assert torch.equal(logits_without_hf_tangent(tmp_path / "hub", ids, tmp_path), expected)
+
+
+def test_each_row_is_the_row_computed_alone():
+    """One program per row: batch-invariant by construction (tests/test_batch_invariance.py for the tensor ops)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randn(9, 123, generator=g) * 3).to(DEVICE), torch.randn(9, 123, generator=g).to(DEVICE)
+    for k, (rule, kw) in enumerate(RULES):
+        gated = k % 2 == 1
+        args = dict(kw, gate=torch.tensor([0.8], device=DEVICE) if gated else None, eps_mode="relative" if gated else "absolute")
+        alone = torch.cat([triton_update.triton_residual_delta(x[i:i + 1], y[i:i + 1], rule, **args) for i in range(9)])
+        for n in (2, 9):
+            out = triton_update.triton_residual_delta(x[:n], y[:n], rule, **args)
+            assert torch.equal(out.view(torch.int32), alone[:n].view(torch.int32)), (rule, kw, gated, n)

@@ -45,7 +45,7 @@ RULES = {
     "gates_lambda_parallel": dict(update="projected", gates=True, parallel_layers=[1]),
     "relative_eps_retract": dict(update="retract", p=2.0, eps_mode="relative", eps=1e-3),
     "noise": dict(update="tangent_noise", gamma=0.5, alpha=0.9),  # outside training exactly alpha * y
-    # the rules as tensor ops, as the config says (the default, fused, runs decode as one C call: cpu_update.py)
+    # implementation='reference' served as the config says (rules.py's tensor ops, not fused.py's)
     "reference": dict(update="retract", p=2.0, implementation="reference"),
 }
 

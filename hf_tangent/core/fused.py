@@ -5,6 +5,9 @@ The forward computes x_next - x in float32 (or wider) and returns it in y's dtyp
 model's dtype, plus the gate: no float32 copies, no intermediates. The backward recomputes the
 few per-token scalars it needs. Notation as in rules.py: per token, z = gate * y,
 p = <x, z>, q = ||x||^2 + eps, c = p / q, r = ||x||; G is the incoming gradient.
+
+Batch-invariant on a CPU, forward and backward, as rules.py: contiguous float32 rows (`as_rows`) and
+rules.dot, so each row's bits do not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -13,13 +16,8 @@ import math
 
 import torch
 
-from .cpu_update import applies as cpu_kernel_applies
-from .cpu_update import cpu_residual_delta
-from .rules import finite_in, resolve_eps, retraction_angle
-
-
-def _dot(a, b):
-    return (a * b).sum(-1, keepdim=True)
+from .rules import as_rows, finite_in, resolve_eps, retraction_angle
+from .rules import dot as _dot
 
 
 def _project_back(gv, x, z, c, q, beta):
@@ -37,7 +35,7 @@ def _safe(value, ok):
 def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
     """(x_next - x in y's dtype, the eps actually used): the fused forward's arithmetic."""
     dtype = torch.promote_types(y.dtype, torch.float32)
-    xf, yf = x.to(dtype), y.to(dtype)
+    xf, yf = as_rows(x, dtype), as_rows(y, dtype)
     z = yf * gate.to(dtype) if gate is not None else yf
     eps_value = resolve_eps(xf, eps, eps_mode)
     if update == "add":
@@ -71,10 +69,7 @@ def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
 class _TangentUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, update, alpha, beta, p, eps, eps_mode):
-        if cpu_kernel_applies(x, y, gate, update):  # the value the no-grad path gives (fused_residual_delta)
-            delta = cpu_residual_delta(x, y, update, alpha=alpha, beta=beta, p=p, eps=eps, eps_mode=eps_mode, gate=gate)
-        else:
-            delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
+        delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
         ctx.save_for_backward(x, y, gate)
         ctx.params = (update, alpha, beta, p, eps, eps_mode)  # a relative eps is recomputed from x
         return delta
@@ -84,7 +79,7 @@ class _TangentUpdate(torch.autograd.Function):
         x, y, gate = ctx.saved_tensors
         update, alpha, beta, p, eps, eps_mode = ctx.params
         dtype = torch.promote_types(y.dtype, torch.float32)
-        xf, yf, g = x.to(dtype), y.to(dtype), grad.to(dtype)
+        xf, yf, g = as_rows(x, dtype), as_rows(y, dtype), as_rows(grad, dtype)
         eps = resolve_eps(xf, eps, eps_mode)
         z = yf * gate.to(dtype) if gate is not None else yf
         dx = torch.zeros_like(xf)
@@ -145,12 +140,9 @@ class _TangentUpdate(torch.autograd.Function):
 
 def fused_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute", gate=None):
     """Same contract as `rules.residual_delta`, through the fused autograd Function (or, when no
-    gradient is needed, its forward arithmetic alone: no autograd bookkeeping while generating; on a
-    CPU, a few rows at a time, that arithmetic as one C call: cpu_update.py. The autograd Function's forward
-    takes the same C call on the same calls, so that a checkpointed forward, run without gradient, and its
-    recomputation, run with it, agree bit for bit)."""
+    gradient is needed, its forward arithmetic alone: no autograd bookkeeping while generating; the
+    same arithmetic, so a checkpointed forward, run without gradient, and its recomputation, run with
+    it, agree bit for bit)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
-        if cpu_kernel_applies(x, y, gate, update):
-            return cpu_residual_delta(x, y, update, alpha=alpha, beta=beta, p=p, eps=eps, eps_mode=eps_mode, gate=gate)
         return _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)[0]
     return _TangentUpdate.apply(x, y, gate, update, float(alpha), float(beta), float(p), float(eps), eps_mode)

@@ -12,7 +12,6 @@ from torch import nn
 
 from .calls import call_key
 from .config import NOISE_UPDATES, TangentConfig
-from .cpu_update import check_setting
 from .fused import fused_residual_delta
 from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec
@@ -190,8 +189,6 @@ class TangentLayer(nn.Module):
     def prepare(self, spec: ArchitectureSpec, layer: nn.Module, *, exact_in_training: bool = True) -> None:
         """Everything that can fail, before the model is touched."""
         self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
-        if self.config.implementation == "fused":
-            check_setting()  # HF_TANGENT_CPU_KERNEL, refused by name here rather than at the first small call
         if self.config.implementation == "triton":
             _load_triton()
         if self.parallel and self.config.parallel_execution == "fused":

@@ -3,6 +3,11 @@
 Shapes: `x` and `y` are (..., d): `x` the residual the FFN branch reads, `y` the FFN output.
 Reductions run over the last dimension; per-token scalars keep it as size 1, (..., 1).
 Callers pass float32 (or wider) tensors; `residual_delta` does the casting.
+
+Batch-invariant on a CPU: each row's result is the same bits whatever rows share the call (a decode
+step of one sequence or of 64, a prompt alone or in a batch). `as_rows` makes every input contiguous
+(torch sums a strided last dimension in another order) and `dot` sums one long row the way it sums
+each row of a batch (tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -11,9 +16,22 @@ import math
 
 import torch
 
+# torch's internal GRAIN_SIZE: a CPU reduction to one value over at least this many elements is split
+# across threads (a partial sum per thread), where each row of a batch is summed by one thread in one pass
+_SPLIT = 32768
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a * b).sum(-1, keepdim=True)  # (..., 1)
+
+def as_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous (no copy where it already is): every row is then reduced in one order."""
+    return t.to(dtype).contiguous()
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> per row, (..., 1), in an order that does not depend on the number of rows."""
+    prod = a * b
+    if prod.numel() == prod.shape[-1] >= _SPLIT:  # one long row: summed as one of two rows, as in a batch
+        return prod.expand(2, *prod.shape).sum(-1, keepdim=True)[0]
+    return prod.sum(-1, keepdim=True)
 
 
 def _norm(a: torch.Tensor) -> torch.Tensor:
@@ -30,7 +48,7 @@ def resolve_eps(x: torch.Tensor, eps: float, mode: str = "absolute") -> torch.Te
     float32 floor keeps c = <x, y> / (||x||^2 + eps) = 0 (not 0/0) where x = 0.
     """
     if mode == "relative":
-        return (eps * _dot(x, x)).clamp_min(FLOAT32_TINY).detach()
+        return (eps * dot(x, x)).clamp_min(FLOAT32_TINY).detach()
     return eps
 
 
@@ -45,7 +63,7 @@ def finite_in(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def radial_coefficient(x: torch.Tensor, y: torch.Tensor, eps) -> torch.Tensor:
     """c = <x, y> / (||x||^2 + eps), (..., 1)."""
-    return _dot(x, y) / (_dot(x, x) + eps)
+    return dot(x, y) / (dot(x, x) + eps)
 
 
 def soft_projection(x: torch.Tensor, y: torch.Tensor, beta: float, eps) -> torch.Tensor:
@@ -88,7 +106,7 @@ def retract(x: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
 
 def orthogonality_error(x: torch.Tensor, y_used: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """|<x, y_used>| / (||x|| ||y_used|| + eps), (..., 1): ~0 for a tangential update."""
-    return _dot(x, y_used).abs() / (_norm(x) * _norm(y_used) + eps)
+    return dot(x, y_used).abs() / (_norm(x) * _norm(y_used) + eps)
 
 
 def used_update(x: torch.Tensor, y: torch.Tensor, update: str, *, beta: float = 1.0, eps=1e-6) -> torch.Tensor:
@@ -126,7 +144,7 @@ def residual_delta(
     exactly x + alpha * y_used, with no subtraction of x.
     """
     dtype = torch.promote_types(y.dtype, torch.float32)
-    xf, yf = x.to(dtype), y.to(dtype)
+    xf, yf = as_rows(x, dtype), as_rows(y, dtype)
     if gate is not None:
         yf = yf * gate.to(dtype)
     eps_value = resolve_eps(xf, eps, eps_mode)
@@ -166,14 +184,14 @@ def noise_delta(x: torch.Tensor, y: torch.Tensor, update: str, *, alpha: float =
         U = torch.randn(d, rank, dtype=dtype, device=x.device) / math.sqrt(d)
         V = torch.randn(d, rank, dtype=dtype, device=x.device) / math.sqrt(d)
         au = (u @ U) @ U.T + (u @ V) @ V.T  # (..., d)
-        p = au - u * _dot(u, au)
+        p = au - u * dot(u, au)
         z = torch.randn_like(xf)
-        q = z - u * _dot(u, z)
+        q = z - u * dot(u, z)
         delta = alpha * yf + r * (h * p + gamma * math.sqrt(h) * q)
     elif update == "gaussian_noise":
         delta = alpha * yf + gamma * math.sqrt(h) * math.sqrt((d - 1) / d) * r * torch.randn_like(xf)
     elif update == "residual_dropout":
-        k = energy * r * r / (_dot(yf, yf) + 1e-12)
+        k = energy * r * r / (dot(yf, yf) + 1e-12)
         keep = (1.0 / (1.0 + k)).clamp(min=0.1)  # 1 - p_i, capped at p = 0.9
         mask = torch.rand_like(yf) < keep
         delta = alpha * yf * mask / keep

@@ -948,96 +948,109 @@ def tiny_model_folder(tmp: Path) -> Path:
     return tmp / "tiny"
 
 
-@contextlib.contextmanager
-def kernel_setting(**env):
-    """The CPU update kernel loaded afresh under these environment variables (None: unset), then as before."""
+def batch_cases(tmp: Path):
+    """Each row's result does not depend on the rows beside it (a sequence alone or in a batch, a decode step of
+    one or of many), hostile rows and layouts included; the setting of earlier releases is not read."""
     import os
 
-    from hf_tangent.core import cpu_update
-
-    saved_env = {k: os.environ.get(k) for k in env}
-    saved_state = dict(cpu_update._STATE)
-    try:
-        for k, v in env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        cpu_update._STATE.clear()
-        yield cpu_update
-    finally:
-        for k, v in saved_env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        cpu_update._STATE.clear()
-        cpu_update._STATE.update(saved_state)
-
-
-def cpu_kernel_cases(tmp: Path):
-    from hf_tangent.core.fused import _forward, fused_residual_delta
+    from hf_tangent.core.fused import fused_residual_delta
     from hf_tangent.core.rules import residual_delta
 
-    x, y = torch.randn(3, 1, 48), torch.randn(3, 1, 48)
-    plain = _forward(x, y, None, "retract", 1.0, 1.0, 1.0, 1e-6, "absolute")[0]
-    for value in ("false", "", " 0", "2", "yes"):
-        with kernel_setting(HF_TANGENT_CPU_KERNEL=value):
-            expect_error("cpu_kernel", f"HF_TANGENT_CPU_KERNEL={value!r}", lambda: fused_residual_delta(x, y, "retract"),
-                         "accepted: '1' (use the CPU update kernel")
-            model = make_tiny("llama")
-            expect_error("cpu_kernel", f"HF_TANGENT_CPU_KERNEL={value!r} at patch time",
-                         lambda m=model: ht.patch(m, ht.TangentConfig(update="retract")),
-                         "accepted: '1' (use the CPU update kernel", model)
-    with kernel_setting(HF_TANGENT_CPU_KERNEL="0") as k:
-        expect_ok("cpu_kernel", "HF_TANGENT_CPU_KERNEL='0': the tensor ops, bit for bit",
-                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain))
-    with kernel_setting(CC=str(tmp / "no-such-cc"), HF_TANGENT_CACHE=str(tmp / "cache-cc")) as k:
-        expect_ok("cpu_kernel", "CC that does not exist: the tensor ops, bit for bit",
-                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain))
-    blocker = tmp / "cache-is-a-file"
-    blocker.write_bytes(b"user data")
-    with kernel_setting(HF_TANGENT_CACHE=str(blocker)) as k:
-        expect_ok("cpu_kernel", "a cache folder that is a file: the tensor ops, the file untouched",
-                  lambda: k.kernel() is None and torch.equal(fused_residual_delta(x, y, "retract"), plain)
-                  and blocker.read_bytes() == b"user data")
-    with kernel_setting(CC="cc -Wall", HF_TANGENT_CACHE=str(tmp / "cache-flags")) as k:
-        expect_ok("cpu_kernel", "CC with flags ('cc -Wall')", lambda: k.kernel() is not None
-                  and torch.allclose(fused_residual_delta(x, y, "retract"), plain, rtol=1e-5, atol=1e-6))
+    def rows_alone(fn, x, y, **kw):
+        return torch.cat([fn(x[i:i + 1], y[i:i + 1], **kw) for i in range(x.shape[0])])
+
+    x, y = torch.randn(70, 48) * 3, torch.randn(70, 48)
+    for name, fn in (("fused", fused_residual_delta), ("reference", residual_delta)):
+        for label, edit in (("a NaN row", lambda a, b: a[5].fill_(float("nan"))),
+                            ("an inf in one row", lambda a, b: b[17].__setitem__(3, float("inf"))),
+                            ("a zero row", lambda a, b: a[16].zero_()),
+                            ("a row of 1e30", lambda a, b: a[64].fill_(1e30))):
+            a, b = x.clone(), y.clone()
+            edit(a, b)
+            expect_ok("batch", f"{name}, retract, {label} among 70: every row as computed alone",
+                      lambda a=a, b=b, fn=fn: torch.equal(fn(a, b, "retract").nan_to_num(7.0),
+                                                          rows_alone(fn, a, b, update="retract").nan_to_num(7.0)))
+        for label, (a, b) in (("transposed storage", (x.t().contiguous().t(), y.t().contiguous().t())),
+                              ("every other row of a larger tensor", (torch.cat([x, x])[::2], torch.cat([y, y])[::2])),
+                              ("one row expanded to 70", (x[:1].expand(70, 48), y[:1].expand(70, 48))),
+                              ("bfloat16, transposed storage", (x.bfloat16().t().contiguous().t(), y.bfloat16().t().contiguous().t()))):
+            expect_ok("batch", f"{name}, norm_preserving, {label}: every row as computed alone",
+                      lambda a=a, b=b, fn=fn: torch.equal(fn(a, b, "norm_preserving"),
+                                                          rows_alone(fn, a.contiguous(), b.contiguous(), update="norm_preserving")))
     for gate, name in ((torch.tensor([float("nan")]), "a NaN gate"), (torch.tensor([0.5], dtype=torch.bfloat16), "a bf16 gate"),
                        (torch.tensor([-2.0]), "a negative gate"), (torch.tensor([0.0]), "a zero gate")):
         def agree(g=gate):
             out, ref = fused_residual_delta(x, y, "retract", gate=g), residual_delta(x, y, "retract", gate=g)
-            return torch.equal(out.isnan(), ref.isnan()) and torch.allclose(out.nan_to_num(), ref.nan_to_num(), atol=1e-6)
-        expect_ok("cpu_kernel", f"{name}: as the tensor ops", agree)
-    from hf_tangent.core.cpu_update import ROWS
+            alone = rows_alone(fused_residual_delta, x, y, update="retract", gate=g)
+            return (torch.equal(out.isnan(), ref.isnan()) and torch.allclose(out.nan_to_num(), ref.nan_to_num(), atol=1e-5)
+                    and torch.equal(out.nan_to_num(7.0), alone.nan_to_num(7.0)))
+        expect_ok("batch", f"{name}: as the reference rule, every row as computed alone", agree)
 
-    for rows in (1, ROWS["norm_preserving"], ROWS["norm_preserving"] + 1):
-        a, b = torch.randn(rows, 64), torch.randn(rows, 64)
-        expect_ok("cpu_kernel", f"{rows} rows: as the tensor ops", lambda a=a, b=b: torch.allclose(
-            fused_residual_delta(a, b, "norm_preserving"), residual_delta(a, b, "norm_preserving"), rtol=1e-5, atol=1e-6))
-
-    def generate(model):
+    def generate(model, ids):
         with torch.no_grad():
-            return model.generate(IDS[:1, :6], max_new_tokens=8, do_sample=False, output_logits=True,
+            return model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True,
                                   return_dict_in_generate=True, pad_token_id=0)
-
-    def same_generation(a, b):
-        return torch.equal(a.sequences, b.sequences) and all(
-            torch.allclose(u, v, rtol=1e-5, atol=1e-5) for u, v in zip(a.logits, b.logits, strict=True))
 
     def gated_lambda(implementation):
         torch.manual_seed(0)
         model = patched_tiny(implementation=implementation)
         ht.set_homotopy(model, {0: 0.3, 1: 0.8, 2: 1.0})
-        return generate(model.eval())
+        return model.eval()
 
-    expect_ok("cpu_kernel", "gated, per-layer lambda: generate as implementation='reference'",
-              lambda: same_generation(gated_lambda("fused"), gated_lambda("reference")))
+    prompts = torch.randint(0, VOCAB, (9, 6), generator=torch.Generator().manual_seed(1))
+
+    def layers_alone_and_in_batch(implementation):
+        """In generate (prefill, then one row per sequence), every patched layer's update for the batch of 9
+        against the same layer on each row alone (the base model's own matmuls are not batch-invariant here)."""
+        model, seen = gated_lambda(implementation), []
+        handles = [layer.register_forward_hook(lambda m, a, out: seen.append((m, a[0], a[1], out)))
+                   for layer in ht.tangent_layers(model)]
+        try:
+            generate(model, prompts)
+        finally:
+            for handle in handles:
+                handle.remove()
+        with torch.no_grad():
+            return bool(seen) and all(torch.equal(out.reshape(-1, out.shape[-1]), torch.cat(
+                [m(a[i:i + 1], b[i:i + 1]) for a, b in [(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))]
+                 for i in range(a.shape[0])])) for m, x, y, out in seen)
+
+    for implementation in ("fused", "reference"):
+        expect_ok("batch", f"{implementation}, gated, per-layer lambda: in generate, every layer's update for a batch of "
+                  "9 is each row's alone, bit for bit", lambda i=implementation: layers_alone_and_in_batch(i))
+
+    def fused_as_reference():
+        a, b = generate(gated_lambda("fused"), prompts[:2]), generate(gated_lambda("reference"), prompts[:2])
+        return torch.equal(a.sequences, b.sequences) and all(
+            torch.allclose(u, v, rtol=1e-5, atol=1e-5) for u, v in zip(a.logits, b.logits, strict=True))
+
+    expect_ok("batch", "gated, per-layer lambda: generate as implementation='reference'", fused_as_reference)
 
     def disabled_is_the_base():
         torch.manual_seed(0)
         base = make_tiny("llama").eval()
         model = ht.patch(copy.deepcopy(base), ht.TangentConfig(update="retract")).eval()
         with ht.disabled(model):
-            inside = generate(model)
-        return torch.equal(inside.sequences, generate(base).sequences)
+            inside = generate(model, IDS[:1, :6])
+        return torch.equal(inside.sequences, generate(base, IDS[:1, :6]).sequences)
 
-    expect_ok("cpu_kernel", "inside ht.disabled: generate as the unpatched model", disabled_is_the_base)
+    expect_ok("batch", "inside ht.disabled: generate as the unpatched model", disabled_is_the_base)
+    with torch.no_grad():
+        plain, one_row = gated_lambda("fused")(IDS).logits, fused_residual_delta(x[:1], y[:1], "retract")
+    for value in ("1", "0", "yes", ""):  # HF_TANGENT_CPU_KERNEL of releases up to 0.3: no longer read, nothing compiled
+        def not_read(value=value):
+            saved = {k: os.environ.get(k) for k in ("HF_TANGENT_CPU_KERNEL", "HF_TANGENT_CACHE")}
+            os.environ.update(HF_TANGENT_CPU_KERNEL=value, HF_TANGENT_CACHE=str(tmp / "cache-of-the-kernel"))
+            try:
+                with torch.no_grad():  # a forward, and one row (where the kernel took over)
+                    same = (torch.equal(gated_lambda("fused")(IDS).logits, plain)
+                            and torch.equal(fused_residual_delta(x[:1], y[:1], "retract"), one_row))
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            return same and not (tmp / "cache-of-the-kernel").exists()
+        expect_ok("batch", f"HF_TANGENT_CPU_KERNEL={value!r} (an earlier release's setting): not read, the same "
+                  "logits, nothing compiled or cached", not_read)
 
 
 def remote_code_cases(tmp: Path):
@@ -1100,8 +1113,8 @@ GROUPS = {
     "lm_eval": lm_eval_cases,
     "options": lambda tmp, folder: options_cases(tmp),
     "entries": entries_cases,
+    "batch": lambda tmp, folder: batch_cases(tmp),
     "remote_code": lambda tmp, folder: remote_code_cases(tmp),
-    "cpu_kernel": lambda tmp, folder: cpu_kernel_cases(tmp),
 }
 OUTCOMES = ["ok", "clear", "unclear", "silent wrong", "crash", "half-patched"]
 PASSING = ("ok", "clear")

@@ -8,9 +8,8 @@ config.json record, exactly as hf_tangent's own loaders read it:
 - Llama, Mistral, Qwen, Phi-3, Gemma: vLLM's decoder layer returns (y, x), the FFN output (after Gemma's
   post-FFN norm) and the residual after attention; the next layer's fused add + RMSNorm forms x + y.
   The patched layer runs the layer's own forward and returns (x_next - x, x), x_next - x from
-  hf_tangent's update rule in float32 (the config's `implementation`; the default fused.fused_residual_delta
-  is, in eager decode on a CPU, one C call, core/cpu_update.py, and compiled, the tensor ops that inductor
-  fuses), the gate and the homotopy lambda.
+  hf_tangent's update rule in float32 (the config's `implementation`: the default fused.fused_residual_delta,
+  tensor ops that inductor fuses when vLLM compiles), the gate and the homotopy lambda.
 - GPT-2's block returns x + y itself, so its forward is written out (four lines of vLLM's own).
 - A parallel-converted layer needs the FFN to read the block input: that forward is written out too.
 """
@@ -31,7 +30,6 @@ from vllm.model_executor.models.utils import PPMissingLayer
 
 from ...artifacts.serialization import _check_record
 from ...core.config import NOISE_UPDATES, TangentConfig
-from ...core.cpu_update import check_setting
 from ...core.fused import fused_residual_delta
 from ...core.patching import _homotopy_values
 from ...core.rules import residual_delta
@@ -82,8 +80,6 @@ class _Patch:
         self.tangent_update = index in patch["patched"]
         self.tangent_parallel = index in patch["parallel"]
         self.tangent_blend = patch["lambdas"].get(index, 1.0)
-        if self.tangent_config.implementation == "fused":
-            check_setting()
         if self.tangent_parallel and getattr(self, "ada_rms_norm_t_cond", None) is not None:
             raise ValueError("hf_tangent vLLM plugin: a parallel-converted layer with Mistral's ada_rms_norm_t_cond "
                              "(time-conditioned FFN input) is not served; accepted: such layers unconverted.")
