@@ -52,6 +52,9 @@ def test_calibrate_rerun_without_the_full_model_leaves_no_model_of_the_first_run
     assert second["gates"] != first["gates"] and "model_folder" not in second
     assert sorted(p.name for p in out.iterdir()) == ["gate_profile.png", "loss_curve.png", "patch", "report.json",
                                                     "report.md"]
+    card = (out / "patch" / "README.md").read_text()  # the kept patch repo says what made it
+    assert f"hf_tangent {ht.__version__}, torch {torch.__version__}" in card
+    assert f"Starting weights: blake2b {second['weights']['digest'][:16]}" in card
     patched = ht.from_pretrained(out / "patch")  # the patch left is the second run's, as its report says
     assert {str(c.index): pytest.approx(c.gate.item(), abs=1e-6) for c in ht.tangent_layers(patched)} == second["gates"]
 

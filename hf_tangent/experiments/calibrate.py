@@ -36,6 +36,7 @@ from .common import (
     check_domain_shares,
     environment,
     progress_bar,
+    provenance_line,
     refuse_patched,
     resolve_model,
     spread,
@@ -164,7 +165,8 @@ def training_card(report: dict) -> str:
     return (f"Text: {json.dumps(report['text'])}. {report['train_windows']} training windows of {report['seq_len']} "
             f"tokens; {t['max_steps']} optimizer steps, learning rate {t['learning_rate']}, batch "
             f"{t['batch_size']} x {t['grad_accum']} accumulation x {t['world_size']} processes; bf16 {t['bf16']}; "
-            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}.")
+            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}."
+            + (f" {provenance_line(report)}" if report.get("versions") else ""))
 
 
 def calibrate_markdown(report: dict) -> str:

@@ -215,6 +215,20 @@ def environment(device, dtype, seed, *, model=None, text=None, training: bool = 
     return found
 
 
+def provenance_line(data: dict) -> str:
+    """The provenance of a report in one sentence, for the card of an artifact it keeps (patch repo, folder)."""
+    versions = data.get("versions") or {}
+    used = ", ".join(f"{name} {versions[name]}" for name in ("hf_tangent", "torch", "transformers", "peft")
+                     if versions.get(name))
+    weights = (data.get("weights") or {}).get("digest")
+    texts = [f"{part} {name} sha256 {entry['sha256'][:16]}"
+             for part, domains in (data.get("text_provenance") or {}).items() if part != "packages"
+             for name, entry in domains.items()]
+    return " ".join(filter(None, [f"Made with {used}." if used else "",
+                                  f"Starting weights: blake2b {weights[:16]}." if weights else "",
+                                  f"Text: {'; '.join(texts)}." if texts else ""]))
+
+
 @contextmanager
 def progress_bar(enabled: bool, total: int, desc: str, unit: str = "window"):
     """A tqdm bar (or None when disabled) that always closes."""

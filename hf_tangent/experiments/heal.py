@@ -37,10 +37,12 @@ from .common import (
     environment,
     interval,
     paired_window_difference,
+    provenance_line,
     refuse_patched,
     resolve_model,
     stacked,
     text_windows,
+    versions,
 )
 from .finetune import LoraSettings
 from .report import Report, register_report
@@ -145,7 +147,7 @@ def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: di
 
 
 def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, save_full_model,
-         base_name, prompt, max_new_tokens, unpatched):
+         base_name, prompt, max_new_tokens, unpatched, provenance: str):
     model = copy.deepcopy(first)
     teacher = None
     if settings.method == "full":  # the weights move: the teacher is a frozen unpatched copy
@@ -170,7 +172,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
     card = {"title": f"{tangent.update} patch, healed by distillation",
             "training": (f"hf-tangent heal ({settings.method}, KL at T={settings.temperature}, lm_weight "
                          f"{settings.lm_weight}, {settings.schedule} homotopy over {homotopy.steps} of "
-                         f"{run_args.max_steps} steps), seed {seed}."),
+                         f"{run_args.max_steps} steps), seed {seed}. {provenance}").strip(),
             "results": (f"Held-out NLL: unpatched {unpatched:.4f}, patch untrained {untrained['nll']:.4f} "
                         f"({untrained['nll'] - unpatched:+.4f}), healed {healed['nll']:.4f} "
                         f"({healed['nll'] - unpatched:+.4f}) nats/token.")}
@@ -237,7 +239,8 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
-    weights = scored_weights(first)  # the unpatched model every run starts from
+    provenance = {"versions": versions(), "weights": scored_weights(first),  # the model every run starts from
+                  "text_provenance": text.provenance(training=True, every_domain=True)}
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
     held_out_domains, train_domains = text_windows(first, tokenizer, text, seq_len, max_windows, train_windows,
                                                    every_domain=True)
@@ -248,7 +251,8 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     with RunFolder(args.output_dir, writer="hf_tangent.heal", resume=bool(args.resume_from_checkpoint),
                    active=args.process_index == 0):  # runs/seed<k>: checkpoints, saved models
         runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models,
-                     save_full_models, base_name, prompt, max_new_tokens, unpatched) for seed in seeds]
+                     save_full_models, base_name, prompt, max_new_tokens, unpatched, provenance_line(provenance))
+                for seed in seeds]
     gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]
     domains = domain_summary(runs, unpatched_windows["window_nll"], {n: len(w) for n, w in held_out_domains.items()},
                              seed=args.seed)
@@ -268,7 +272,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
             "p_value": paired_permutation_test(gains) if len(runs) > 1 else None},
         "domains": domains,
         "runs": runs, "seconds": clock.seconds,
-        **environment(args.device.type, dtype, args.seed, model=weights, text=text, training=True, every_domain=True),
+        **environment(args.device.type, dtype, args.seed), **provenance,
     }, run_folder=os.path.abspath(args.output_dir))
 
 

@@ -244,7 +244,7 @@ class RunFolder:
         if kind is None:
             if self.earlier is not None:
                 discard = self._own(self.earlier, "discard")
-                shutil.rmtree(discard)
+                shutil.rmtree(discard, ignore_errors=True)  # what is left, the folder's next claim removes
             return
         if _has_checkpoint(self.folder):
             logger.warning("%s: the run in %s stopped (%s); its Trainer checkpoints stay there "
