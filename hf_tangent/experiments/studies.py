@@ -28,9 +28,10 @@ from ..analysis.verdicts import summarize, verdict, verdict_outcome
 from ..core.config import TangentConfig
 from ..core.patching import patch
 from ..ranges import ProgressBar, Range, at_least, check_values, plain, validated
-from ..training.data import load_documents, pack_windows
+from ..training.data import documents_digest, load_documents, pack_windows
 from ..training.trainer import ObserveCallback, lm_dataset, loss_curve, train, training_arguments
 from . import plots
+from .common import versions
 from .report import Report, register_report
 from .runs import RunFolder, claim_run_folder
 
@@ -247,7 +248,9 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
         "study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
         "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary, runs),
         "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(),
-        "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents"},
+        "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents",
+        "versions": versions(), "text_provenance": {"training": documents_digest({"train": list(train_docs)}),
+                                                    "evaluation": documents_digest({"validation": list(val_docs)})}},
         run_folder=os.path.abspath(output_dir))
 
 
