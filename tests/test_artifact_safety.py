@@ -143,17 +143,18 @@ def test_a_replacement_is_whole_no_file_of_the_earlier_save_survives(tiny_lm_fol
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or old copies left
 
 
-@pytest.mark.parametrize("failing_call", [0, 1])  # 0: renaming the old folder aside; 1: moving the new one in
+@pytest.mark.parametrize("failing_call", [0, 1, 2])  # the stage to ready; the old folder aside; the new one in
 @pytest.mark.parametrize("writer", ["save_patch", "save_pretrained", "save_hub_folder"])
 def test_a_failure_after_staging_leaves_the_old_content_byte_identical(tiny_lm_folder, tmp_path, monkeypatch,
                                                                         failing_call, writer):
+    """(test_crash_consistency.py injects a failure and a kill at every step of every writer.)"""
     folder = tmp_path / "artifact"
     WRITERS[writer](gated(tiny_lm_folder, 2.0), folder)
     before = snapshot(folder)
     real, calls = os.replace, []
 
     def flaky(src, dst):
-        calls.append((src, dst))
+        calls.append((Path(src).name, Path(dst).name))
         if len(calls) == failing_call + 1:
             raise OSError("injected failure")
         return real(src, dst)
@@ -161,9 +162,13 @@ def test_a_failure_after_staging_leaves_the_old_content_byte_identical(tiny_lm_f
     monkeypatch.setattr(destinations.os, "replace", flaky)
     with pytest.raises(OSError, match="injected failure"):
         WRITERS[writer](gated(tiny_lm_folder, 0.5), folder)
-    assert len(calls) == failing_call + 1 + failing_call  # the failed move-in put the old folder back
-    assert ".staging-" in str(calls[-1 - failing_call][0]) or failing_call == 0
     monkeypatch.setattr(destinations.os, "replace", real)
+    assert ".hf_tangent-staging-" in calls[0][0] and ".hf_tangent-ready-" in calls[0][1]
+    if failing_call:
+        assert calls[1][0] == "artifact" and ".hf_tangent-old-" in calls[1][1]
+    if failing_call == 2:
+        assert calls[2] == (calls[0][1], "artifact") and calls[3] == (calls[1][1], "artifact")
+    assert len(calls) == failing_call + 1 + (failing_call == 2)  # the failed move-in put the old folder back
     assert snapshot(folder) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
 
@@ -460,8 +465,9 @@ def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, t
 
 
 def test_tokenizer_card_and_trainer_state_beside_a_model_are_kept(tiny_lm_folder, tmp_path):
-    """tokenizer.save_pretrained before or after model.save_pretrained, and a Trainer checkpoint's state,
-    are other writers' files: a (re-)save keeps them as they are."""
+    """tokenizer.save_pretrained before model.save_pretrained, and a Trainer checkpoint's state, are
+    other writers' files: the first save into that folder keeps them as they are. A re-save replaces
+    the artifact whole (issue 47: a folder's tokenizer is the one saved with it, or none)."""
     from transformers import AutoTokenizer
 
     folder = tmp_path / "full"
@@ -470,18 +476,12 @@ def test_tokenizer_card_and_trainer_state_beside_a_model_are_kept(tiny_lm_folder
     kept = {k: v for k, v in snapshot(folder).items()}
     model = gated(tiny_lm_folder)
     model.save_pretrained(folder)
-    model.save_pretrained(folder)  # and a re-save
     now = snapshot(folder)
     assert all(now[name] == data for name, data in kept.items())
     assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
-
-
-def test_an_empty_folder_is_written_in_place_keeping_its_mode(tiny_lm_folder, tmp_path):
-    (tmp_path / "out").mkdir(mode=0o700)
-    (tmp_path / "out").chmod(0o2750)
-    ht.save_patch(gated(tiny_lm_folder), tmp_path / "out")
-    assert (tmp_path / "out").stat().st_mode & 0o7777 == 0o2750
-    assert (tmp_path / "out" / "hf_tangent_patch.json").is_file()
+    model.save_pretrained(folder)  # a re-save: the files saved with the earlier save go with it
+    assert not set(kept) & {p.name for p in folder.iterdir()}
+    assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
 
 
 def test_a_patch_with_modules_to_save_reloads(tiny_lm_folder, tmp_path):
@@ -511,7 +511,7 @@ def test_unknown_record_keys_and_a_wrong_architecture_are_refused(tiny_lm_folder
 
 
 def test_recipe_output_folders_refuse_foreign_files(tmp_path):
-    from hf_tangent.core.destinations import claim_run_folder
+    from hf_tangent.experiments.runs import claim_run_folder
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("x")

@@ -128,6 +128,29 @@ def fingerprint(model) -> dict:
     return {"method": METHOD, "dtypes": found, "digests": weight_digests(model, recorded_precisions(found))}
 
 
+SCORED_METHOD = "blake2b-256 over every parameter's name, dtype, shape and bytes as held (gates and adapters included)"
+
+
+def scored_weights(model) -> dict:
+    """What a report records of the weights it scored: one digest over every parameter of the model as
+    it is (patch gates and LoRA adapters included, in the dtype held), the parameter count and dtypes.
+    Offloaded (meta) parameters cannot be read: the digest is then None, with the reason."""
+    params = list(unwrap(model).named_parameters())
+    meta = [n for n, p in params if p.is_meta]
+    found = {"method": SCORED_METHOD, "parameters": sum(p.numel() for _, p in params),
+             "dtypes": sorted({str(p.dtype).replace("torch.", "") for _, p in params})}
+    if meta:
+        return found | {"digest": None, "why_none": f"{len(meta)} parameters are offloaded (meta), e.g. {meta[0]}"}
+    digest = hashlib.blake2b(digest_size=32)
+    with torch.no_grad():
+        for name, param in params:
+            digest.update(f"{name}:{param.dtype}:{tuple(param.shape)};".encode())
+            flat = param.detach().reshape(-1)
+            for chunk in flat.split(_CHUNK):
+                digest.update(chunk.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return found | {"digest": digest.hexdigest()}
+
+
 def fingerprint_v1(model) -> str:
     """The sampled fingerprint of patch format 1 (first / last 1024 values of each tensor), kept to
     check records written by hf_tangent 0.3."""

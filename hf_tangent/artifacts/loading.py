@@ -3,12 +3,15 @@ own repo, checked, then patched) or a complete patched folder (serialization.py)
 
 from __future__ import annotations
 
+import logging
 import os
 
+from ..core.destinations import recover
 from .patch_repo import is_patch_repo, load_patch, read_record
 from .serialization import load_patched_folder
 
 __all__ = ["from_pretrained", "is_patch_repo", "read_record"]
+logger = logging.getLogger("hf_tangent")
 
 
 def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: str | None = None,
@@ -23,8 +26,14 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
     the weights, `skip_base_check=True` loads onto a base whose weights and config are not compared
     with the record, `base_trust_remote_code=True` runs the code of the base the record names
     (`trust_remote_code=` is refused for a patch repo). Every mismatch between the record, the saved
-    weights and the model raises a ValueError naming the file and field.
+    weights and the model raises a ValueError naming the file and field. A local folder whose last
+    save was killed is first finished or rolled back (destinations.recover, logged).
     """
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        try:  # a save of this folder that a kill interrupted: finished or rolled back first (logged)
+            recover(path, writer="hf_tangent.from_pretrained")
+        except OSError as err:  # a folder we may not write: read what is there
+            logger.warning("hf_tangent.from_pretrained: could not finish an interrupted save of %s (%s).", path, err)
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     if is_patch_repo(path, **hub_kwargs):
         if model_class is not None:

@@ -58,6 +58,7 @@ def _base_source(name: str) -> str:
 
 def patch_record(model, *, base_model: str | None = None, revision: str | None = None) -> dict:
     """What hf_tangent_patch.json holds for a patched model (optionally wrapped by PEFT or DDP)."""
+    base_model = _check_base_name(base_model, revision)
     base = unwrap(model)
     config = get_config(base)
     if config is None:
@@ -115,7 +116,19 @@ def save_patch(model, folder: str | os.PathLike, *, base_model: str | None = Non
     return _save_patch(model, folder, base_model=base_model, revision=revision, card=card)
 
 
+def _check_base_name(base_model, revision) -> str | None:
+    """base_model= and revision= as a record holds them (a name or folder; a revision string), or the error."""
+    for option, value in (("base_model", base_model), ("revision", revision)):
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes)
+                                  or not os.fspath(value).strip() or (option == "revision" and not isinstance(value, str))):
+            raise TypeError(f"hf_tangent.save_patch: {option}={value!r}; accepted: "
+                            + ("a hub id, a local folder or an offline name (str or os.PathLike), or None."
+                               if option == "base_model" else "a revision string (branch, tag or commit), or None."))
+    return None if base_model is None else os.fspath(base_model)
+
+
 def _save_patch(model, folder, *, base_model, revision, card, name: str | None = None) -> Path:
+    base_model = _check_base_name(base_model, revision)
     _check_card(card)
     base_name = base_model or str(getattr(unwrap(model).config, "_name_or_path", "") or "")
     check_destination(folder, protected=[base_name], writer="hf_tangent.save_patch")  # before the fingerprint's work
@@ -145,6 +158,7 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
     if sorted(gates) != ([i for i in record["patch"]["patched_layers"]] if record["gates"] else []):
         raise ValueError(f"hf_tangent: gates for layers {sorted(gates)} do not match the patch's gated layers.")
     record = dict(record, adapters=ADAPTER_FOLDER if peft_model is not None else None)
+    check_record(json.loads(json.dumps(record)), "hf_tangent.save_patch (the record it would write)")  # as read back
     _check_card(card)
     protected = [record["base"]["name_or_path"], *protected]
     with replacing(folder, protected=protected, writer="hf_tangent.save_patch") as staging:
@@ -339,15 +353,20 @@ def read_record(path, **hub_kwargs) -> dict:
     """The checked hf_tangent_patch.json of a patch repo: every field type-checked, unknown fields
     refused (PatchRepoError naming the file and the field)."""
     where = _file(path, RECORD_FILE, **hub_kwargs)
-
-    def fail(message):
-        raise PatchRepoError(f"hf_tangent: {where}: {message}")
-
     try:
         with open(where, encoding="utf-8") as f:
             record = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        fail(f"not a valid JSON file ({err}).")
+        raise PatchRepoError(f"hf_tangent: {where}: not a valid JSON file ({err}).") from None
+    return check_record(record, where)
+
+
+def check_record(record, where: str) -> dict:
+    """A patch record checked as the reader checks it (`where` names it in messages): what read_record
+    returns, and what write_patch_repo checks before it writes one."""
+    def fail(message):
+        raise PatchRepoError(f"hf_tangent: {where}: {message}")
+
     if not isinstance(record, dict):
         fail(f"must be a JSON object, got {type(record).__name__}.")
     version = record.get("format")

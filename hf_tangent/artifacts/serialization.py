@@ -283,7 +283,9 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
     data = json.loads(config_file.read_text(encoding="utf-8"))
     if (data.get("architectures") or [""])[0].startswith("FSDP"):  # FSDP2 subclasses the model class in place
         data["architectures"] = [model_class(model).__name__]  # ("FSDPLlamaForCausalLM"; transformers 4.x keeps it)
-        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written = config_file.with_name(f".config.json.hf_tangent-tmp-{os.getpid()}")
+        written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(written, config_file)  # one rename: a kill leaves the old config.json or the new one
     return folder
 
 

@@ -20,7 +20,8 @@ from typing import ClassVar, Literal
 import torch
 
 from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
-from ..core.destinations import DestinationError, claim_run_folder
+from ..core.destinations import DestinationError
+from ..experiments.runs import claim_run_folder, in_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
 from ..training import data
 from ..training.data import TextSource
@@ -114,7 +115,7 @@ def check_device(device: str) -> None:
 
 def check_output_dir(path: str) -> None:
     """The output folder is writable (or can be created) and is not someone else's (new, empty, or an
-    earlier run's: destinations.claim_run_folder): checked before the run, not after it, and without
+    earlier run's: experiments.runs.claim_run_folder): checked before the run, not after it, and without
     creating anything, so that a run refused later leaves the user's files as they were."""
     try:
         claim_run_folder(path, writer="--output-dir")
@@ -316,5 +317,5 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
             action.type = _Number(action.type, option.accepted, optional=matches(None, option.hint))
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
-    sub.set_defaults(func=func, parser=sub)
+    sub.set_defaults(func=in_run_folder(func), parser=sub)  # the recipe and its report: one run of --output_dir
     return sub

@@ -3,13 +3,25 @@
 A writer (a patch repo, a complete patched folder, an export) writes into a new or empty folder,
 or replaces an artifact that hf_tangent wrote there before, whole; nothing else. Refused, with
 the folder left byte-identical: `""`, `~`, the current folder and every folder above it, the home
-folder, a symlink, a file in the way, a protected folder (the model's own base, the source being
-read) or a folder that holds one, and a non-empty folder that is not an hf_tangent artifact or
-holds entries an hf_tangent artifact never has (a user's files are never deleted).
+folder, a symlink, a mount point, a file in the way, a folder that does not allow writing, a
+protected folder (the model's own base, the source being read) or a folder that holds one, and a
+non-empty folder that is not an hf_tangent artifact or holds entries an hf_tangent artifact never
+has (a user's files are never deleted).
 
-A replacement is staged next to the target, the old folder renamed aside, the new one moved in,
-and the old one removed only after that: a failure at any point leaves the old content as it was,
-and no file of the earlier save survives (old shards, an old index, a record of the other kind).
+Every write is staged next to the target and is crash-consistent: after a kill at any point the
+target is its old content or the new one, complete. The steps, each one filesystem call:
+
+    .NAME.hf_tangent-staging-PID-ID   created, then written (a kill leaves an incomplete stage)
+    .NAME.hf_tangent-ready-PID-ID     the stage renamed once complete
+    .NAME.hf_tangent-old-PID-ID       the old folder renamed aside (when it holds anything)
+    NAME                              the ready stage renamed in (over an empty folder: one rename)
+                                      then the old folder removed
+
+The next writer or loader of NAME (`recover`) finishes what a killed process left: a ready stage
+with no NAME is moved in, an old folder with no NAME is moved back, and every other leftover of
+a dead process (incomplete stages, ready stages that lost, old folders replaced) is removed; each
+with a log line. An artifact is replaced whole: no file of the earlier save survives (old shards,
+an old index, a record of the other kind, the tokenizer or card saved with it).
 
 Standard library only: this module ships in every patched folder's remote code.
 """
@@ -19,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,6 +48,7 @@ REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py
 # every local folder of the same name: a listing there could name another model's files (and a save
 # would then replace them). So hub.py writes the listing it shipped into this copy, on this line.
 SHIPPED_CORE_MODULES: tuple[str, ...] | None = None
+logger = logging.getLogger("hf_tangent")
 
 
 def core_modules() -> tuple[str, ...]:
@@ -59,12 +73,18 @@ _ARTIFACT_FOLDERS = {"adapter": {"adapter_config.json", "adapter_model.safetenso
                      "__pycache__": None}  # None: any *.pyc
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 # What other writers put beside a model by convention (tokenizer.save_pretrained, a model card, the
-# Trainer's state in a checkpoint folder): kept as they are, carried into the replacement.
-_NEIGHBOURS = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json", "README.md",
-               "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin"}
+# Trainer's state in a checkpoint folder). In a folder that holds only these (written before the
+# model's first save: the Trainer writes its state after the model) they are carried into the save;
+# in an artifact they belong to the earlier save and go with it.
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json"}
+_NEIGHBOURS = {*_TOKENIZER_FILES, "README.md", "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json",
+               "training_args.bin"}
 _RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# A stage, a ready stage or an old copy of NAME (module docstring); before 0.4: .NAME.staging-ID, .NAME.old-ID
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+_LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<state>staging|old)-[0-9a-f]{8}")
 
 
 class DestinationError(ValueError):
@@ -112,13 +132,15 @@ def foreign_entries(folder: Path, kind: str | None) -> list[str]:
     return foreign
 
 
-def _plain_target(folder, writer: str) -> tuple[str, Path]:
+def plain_target(folder, writer: str) -> tuple[str, Path]:
     """(the path as given, its absolute target) after the refusals every writer shares: not a path,
     empty, `~`, a symlink, the current folder or one above it, the home folder."""
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"{writer}: the destination must be a folder path (str or os.PathLike), got "
                         f"{type(folder).__name__}.")
     text = os.fspath(folder)
+    if not isinstance(text, str):
+        raise TypeError(f"{writer}: the destination must be a folder path (str or os.PathLike), got bytes.")
     if text.strip() == "":
         raise DestinationError(f"{writer}: the destination is an empty path; name a new or empty folder.")
     if text == "~" or text.startswith("~/"):
@@ -138,6 +160,16 @@ def _plain_target(folder, writer: str) -> tuple[str, Path]:
     return text, target
 
 
+def check_writable(text: str, folder: Path, writer: str) -> None:
+    """`folder` (or the nearest folder above it that exists, where it would be created) allows writing."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise DestinationError(f"{writer}: {text!r} is not writable ({existing} does not allow writing); name a "
+                               "folder you can write to.")
+
+
 def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Path:
     """The absolute target of a folder write, after every refusal above (DestinationError).
 
@@ -147,7 +179,7 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
             (the model's own base, the source being read); entries that are not folders are ignored.
         writer: the caller's name for messages ("hf_tangent.save_patch").
     """
-    text, target = _plain_target(folder, writer)
+    text, target = plain_target(folder, writer)
     for other in protected:
         if not other or not isinstance(other, (str, os.PathLike)) or not os.path.isdir(other):
             continue
@@ -163,6 +195,10 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
             break
     if target.exists() and not target.is_dir():
         raise DestinationError(f"{writer}: {text!r} is a file, not a folder; remove it or name another folder.")
+    if target.is_dir() and os.path.ismount(target):
+        raise DestinationError(f"{writer}: {text!r} is a mount point, which cannot be replaced in one step; name a "
+                               "folder inside it.")
+    check_writable(text, target.parent, writer)  # the stage is made beside the target
     if target.is_dir() and any(target.iterdir()):
         kind = artifact_kind(target)
         extra = foreign_entries(target, kind)
@@ -177,38 +213,102 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
     return target
 
 
+# ----------------------------------------------------------------------------- crash consistency
+def _sibling(target: Path, state: str) -> Path:
+    return target.parent / f".{target.name}.hf_tangent-{state}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _alive(pid: int) -> bool:
+    """A process of this id runs here (its leftovers may still be in use); this process's own are not."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def leftovers(target: Path) -> dict[str, list[Path]]:
+    """{"staging" / "ready" / "old": folders beside `target` that a writer of it left and no live
+    process is using}, newest first."""
+    found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": []}
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        match = _LEFTOVER.fullmatch(entry.name) or _LEGACY_LEFTOVER.fullmatch(entry.name)
+        if match is None or match["name"] != target.name or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = match.groupdict().get("pid")
+        if pid is None or not _alive(int(pid)):
+            found[match["state"]].append(entry)
+    for paths in found.values():
+        paths.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    return found
+
+
+def recover(folder, *, writer: str = "hf_tangent") -> None:
+    """Finish or roll back what a killed writer of `folder` left (module docstring), each step logged.
+    Called by every writer before it writes and by the loaders before they read."""
+    target = Path(os.path.abspath(os.fspath(folder)))
+    found = leftovers(target)
+    if not any(found.values()):
+        return
+    if not os.path.lexists(target):
+        for state, done in (("ready", "finished: the new content moved in"),
+                            ("old", "rolled back: the previous content moved back")):
+            if found[state]:
+                os.replace(found[state].pop(0), target)
+                logger.warning("%s: an interrupted save of %s was %s.", writer, target, done)
+                break
+    for state, paths in found.items():
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("%s: removed %s, left by an interrupted save of %s (%s).", writer, path.name, target,
+                           {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content"}[state])
+
+
 @contextlib.contextmanager
 def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
-    """Yields an empty folder to write into; on a clean exit its content is `folder`'s (see the
-    module docstring). A new folder is staged next to the target and moved in; an empty one is
-    written in place (its mode, owner and mount stay; on failure it is emptied again); an artifact
-    of ours is replaced by a staged copy, the files other writers keep beside a model (tokenizer,
-    card, Trainer state) carried over. On any error `folder` is as it was."""
-    target = check_destination(folder, protected=protected, writer=writer)
-    if target.is_dir() and not any(target.iterdir()):
-        try:
-            yield target
-        except BaseException:
-            for entry in list(target.iterdir()):
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-            raise
+    """Yields an empty folder to write into; on a clean exit its content is `folder`'s, moved in as
+    the module docstring says (a new folder, an empty one, an artifact of ours: staged alike). Files
+    other writers put in a folder that is not yet an artifact (a tokenizer saved first, Trainer state)
+    are carried over, the tokenizer's only when the save writes none of its own; an artifact is
+    replaced whole. On any error `folder` is as it was."""
+    _, path = plain_target(folder, writer)  # the refusals that need no look inside, before anything moves
+    stage = _LEFTOVER.fullmatch(path.name)
+    if stage and stage["state"] == "staging" and int(stage["pid"]) == os.getpid() and path.is_dir() \
+            and not any(path.iterdir()):
+        yield path  # a stage of this process (save_hub_folder's model save): not yet visible, written in place
         return
-    existed = target.exists()
+    recover(folder, writer=writer)
+    target = check_destination(folder, protected=protected, writer=writer)
+    carried = target.is_dir() and artifact_kind(target) is None
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging = _sibling(target, "staging")
     staging.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
     try:
         yield staging
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
-        if existed:
+        if target.is_dir():
             staging.chmod(target.stat().st_mode & 0o7777)
-            for entry in target.iterdir():  # what other writers keep beside a model
-                if _is_neighbour(entry.name) and entry.is_file() and not (staging / entry.name).exists():
+            own_tokenizer = any((staging / name).exists() for name in _TOKENIZER_FILES)  # never two tokenizers mixed
+            for entry in sorted(target.iterdir()) if carried else ():
+                if _is_neighbour(entry.name) and entry.is_file() and not (staging / entry.name).exists() and not (
+                        own_tokenizer and entry.name in _TOKENIZER_FILES):
                     shutil.copy2(entry, staging / entry.name)
-            aside = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        ready = _sibling(target, "ready")
+        os.replace(staging, ready)
+        staging = ready
+        if target.is_dir() and any(target.iterdir()):
+            aside = _sibling(target, "old")
             os.replace(target, aside)
             try:
-                os.replace(staging, target)
+                os.replace(ready, target)
             except BaseException:
                 os.replace(aside, target)
                 raise
@@ -217,7 +317,7 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                 warnings.warn(f"{writer}: the previous content of {target} was replaced, but its old copy at {aside} "
                               "could not be removed; delete it by hand.", stacklevel=3)
         else:
-            os.replace(staging, target)
+            os.replace(ready, target)  # a new folder, or over an empty one (one rename)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -249,24 +349,3 @@ class AtomicSave:
             kwargs["repo_id"] = Path(os.fspath(save_directory)).name
         with replacing(save_directory, protected=protected, writer=writer) as staging:
             return own(model, staging, *args, **kwargs)
-
-
-# What an hf_tangent run writes into its output folder: reports, plots, the directions file,
-# patch repos and complete folders, Trainer checkpoints and logs, per-run folders.
-_RUN_ENTRIES = re.compile(r"report\.(json|md)|[^/]+\.png|[^/]+\.safetensors|patch|model|runs|checkpoint-\d+|"
-                          r"samples|lm_eval|README\.md")
-
-
-def claim_run_folder(folder, *, writer: str = "hf_tangent") -> Path:
-    """A recipe's output folder (reports, plots, Trainer checkpoints, patch repos) is a new or empty
-    folder, or one that holds only what hf_tangent runs write (a rerun replaces the files of the
-    same names): refused like a destination above (DestinationError) otherwise. Creates nothing."""
-    text, target = _plain_target(folder, writer)
-    if not target.is_dir():
-        return check_destination(folder, writer=writer)
-    others = sorted(p.name for p in target.iterdir() if not _RUN_ENTRIES.fullmatch(p.name))
-    if others:
-        raise DestinationError(f"{writer}: {text!r} holds files no hf_tangent run writes "
-                               f"({', '.join(others[:5])}{' ...' if len(others) > 5 else ''}); the run would write "
-                               "report.json, report.md, plots and checkpoints beside them. Name a new or empty folder.")
-    return target

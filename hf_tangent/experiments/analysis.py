@@ -42,7 +42,8 @@ def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *,
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     text = TextSource.of(text)
     docs = text.calibration_only_documents() if calibration else text.evaluation_documents()
-    env = environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)
+    env = environment(next(model.parameters()).device, next(model.parameters()).dtype, seed, model=model, text=text,
+                      read={"calibration" if calibration else "evaluation": docs})
     return model, tokenizer, name, text, windows(model, tokenizer, docs, seq_len, max_windows), env
 
 

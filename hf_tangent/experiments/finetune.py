@@ -13,6 +13,7 @@ from typing import ClassVar
 from ..analysis.evaluation import perplexity, update_variants
 from ..analysis.stats import paired_summary
 from ..artifacts.hub import save_hub_folder
+from ..artifacts.identity import scored_weights
 from ..artifacts.patch_repo import patch_record, write_patch_repo
 from ..core.destinations import check_destination
 from ..core.patching import patch
@@ -34,6 +35,7 @@ from .common import (
     text_windows,
 )
 from .report import Report, register_report
+from .runs import RunFolder, claim_run_folder
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
 
@@ -135,6 +137,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
     lora = lora or LoraSettings()
     text = TextSource.of(text)
     names = ["unpatched", *[r for r in rules if r != "unpatched"]]
+    claim_run_folder(args.output_dir, writer="hf_tangent.finetune(training_args.output_dir=)")
     if save_models:  # every folder a run will write, checked before any work
         base = model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         for seed in seeds:
@@ -143,11 +146,14 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
                 check_destination(folder, protected=[base], writer="hf_tangent.finetune")
     check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
+    weights = scored_weights(first)  # the model every run starts from
     held_out, training = map(stacked, text_windows(first, tokenizer, text, seq_len, max_windows, train_windows))
     dataset = lm_dataset(training)
     clock = Clock()
-    runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
-                 eval_batch_size, dtype, save_models) for seed in seeds for rule in names]
+    with RunFolder(args.output_dir, writer="hf_tangent.finetune", resume=bool(args.resume_from_checkpoint),
+                   active=args.process_index == 0):  # runs/<rule>-seed<k>: checkpoints, saved models
+        runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
+                     eval_batch_size, dtype, save_models) for seed in seeds for rule in names]
     return Report("finetune", {
         "command": "finetune", "model": name, "method": method, "variants": names, "seeds": list(seeds),
         "text": text.describe(training=True), "seq_len": seq_len, "eval_windows": len(held_out),
@@ -155,8 +161,8 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
         "training": training_summary(args) | {
             "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if method == "lora" else None},
         "summary": finetune_summary(runs), "runs": runs, "seconds": clock.seconds,
-        **environment(args.device.type, dtype, args.seed),
-    })
+        **environment(args.device.type, dtype, args.seed, model=weights, text=text, training=True),
+    }, run_folder=os.path.abspath(args.output_dir))
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

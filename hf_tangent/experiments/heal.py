@@ -14,6 +14,7 @@ import torch
 from ..analysis.evaluation import perplexity
 from ..analysis.stats import paired_permutation_test
 from ..artifacts.hub import save_hub_folder
+from ..artifacts.identity import scored_weights
 from ..artifacts.patch_repo import patch_record, write_patch_repo
 from ..core.config import TangentConfig
 from ..core.destinations import check_destination
@@ -22,7 +23,7 @@ from ..core.patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch,
 from ..core.wrappers import peft_model_of, unwrap
 from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
-from ..training.healing import HomotopyCallback, heal_trainer_class, held_out_kl
+from ..training.healing import TEMPERATURE, HomotopyCallback, heal_trainer_class, held_out_kl
 from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary
 from . import plots
 from .common import (
@@ -36,13 +37,16 @@ from .common import (
     environment,
     interval,
     paired_window_difference,
+    provenance_line,
     refuse_patched,
     resolve_model,
     stacked,
     text_windows,
+    versions,
 )
 from .finetune import LoraSettings
 from .report import Report, register_report
+from .runs import RunFolder, claim_run_folder
 
 SAMPLE_PROMPT = "It is a truth universally acknowledged, that"
 
@@ -62,7 +66,7 @@ class HealSettings:
     the homotopy (lambda 0 -> 1 over `homotopy_fraction` of the steps; 0: the target from step 0),
     all layers at once or progressively in `stages` groups (heal.HomotopyCallback)."""
 
-    RANGES: ClassVar[dict[str, Range]] = {"temperature": Range(0, open_low=True), "lm_weight": Range(0, 1),
+    RANGES: ClassVar[dict[str, Range]] = {"temperature": TEMPERATURE, "lm_weight": Range(0, 1),
                                           "homotopy_fraction": Range(0, 1), "stages": at_least(1)}
 
     method: Literal["lora", "full"] = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full"
@@ -143,7 +147,7 @@ def domain_summary(runs: list[dict], unpatched_windows: list[float], domains: di
 
 
 def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_model, save_full_model,
-         base_name, prompt, max_new_tokens, unpatched):
+         base_name, prompt, max_new_tokens, unpatched, provenance: str):
     model = copy.deepcopy(first)
     teacher = None
     if settings.method == "full":  # the weights move: the teacher is a frozen unpatched copy
@@ -168,7 +172,7 @@ def _run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, arg
     card = {"title": f"{tangent.update} patch, healed by distillation",
             "training": (f"hf-tangent heal ({settings.method}, KL at T={settings.temperature}, lm_weight "
                          f"{settings.lm_weight}, {settings.schedule} homotopy over {homotopy.steps} of "
-                         f"{run_args.max_steps} steps), seed {seed}."),
+                         f"{run_args.max_steps} steps), seed {seed}. {provenance}").strip(),
             "results": (f"Held-out NLL: unpatched {unpatched:.4f}, patch untrained {untrained['nll']:.4f} "
                         f"({untrained['nll'] - unpatched:+.4f}), healed {healed['nll']:.4f} "
                         f"({healed['nll'] - unpatched:+.4f}) nats/token.")}
@@ -225,6 +229,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     args = training_args or HealTrainingArguments()
     text = TextSource.of(text).with_default_corpus("mixed")
     base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
+    claim_run_folder(args.output_dir, writer="hf_tangent.heal(training_args.output_dir=)")
     for seed in seeds:  # every folder a run will write, checked before any work
         run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
         if save_models and settings.method == "lora":
@@ -234,6 +239,8 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
+    provenance = {"versions": versions(), "weights": scored_weights(first),  # the model every run starts from
+                  "text_provenance": text.provenance(training=True, every_domain=True)}
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
     held_out_domains, train_domains = text_windows(first, tokenizer, text, seq_len, max_windows, train_windows,
                                                    every_domain=True)
@@ -241,8 +248,11 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     clock = Clock()
     unpatched_windows = _nll(first, held_out)
     unpatched = unpatched_windows["nll"]
-    runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models, save_full_models,
-                 base_name, prompt, max_new_tokens, unpatched) for seed in seeds]
+    with RunFolder(args.output_dir, writer="hf_tangent.heal", resume=bool(args.resume_from_checkpoint),
+                   active=args.process_index == 0):  # runs/seed<k>: checkpoints, saved models
+        runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models,
+                     save_full_models, base_name, prompt, max_new_tokens, unpatched, provenance_line(provenance))
+                for seed in seeds]
     gains = [r["healed"]["nll"] - r["untrained"]["nll"] for r in runs]
     domains = domain_summary(runs, unpatched_windows["window_nll"], {n: len(w) for n, w in held_out_domains.items()},
                              seed=args.seed)
@@ -261,8 +271,9 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
             "healed_kl": sum(r["healed"]["kl"] for r in runs) / len(runs),
             "p_value": paired_permutation_test(gains) if len(runs) > 1 else None},
         "domains": domains,
-        "runs": runs, "seconds": clock.seconds, **environment(args.device.type, dtype, args.seed),
-    })
+        "runs": runs, "seconds": clock.seconds,
+        **environment(args.device.type, dtype, args.seed), **provenance,
+    }, run_folder=os.path.abspath(args.output_dir))
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.destinations import claim_run_folder
+from .runs import ACTIVE, RunFolder, claim_run_folder, temporary_path, write_atomically
 
 # kind -> Markdown renderer / plot writer, filled by the experiment modules (register_report)
 MARKDOWN: dict[str, Callable[[dict], str]] = {}
@@ -46,6 +47,8 @@ class Report:
     kind: str
     data: dict
     tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
+    # the output folder the recipe that made this report wrote into (runs.RunFolder): its files are this run's
+    run_folder: Path | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in MARKDOWN:
@@ -68,23 +71,37 @@ class Report:
         return PLOTS.get(self.kind, lambda data, folder: [])(self.data, str(folder))
 
     def save(self, folder: str | os.PathLike, *, echo: bool = False) -> Path:
-        """report.json, report.md and the plots in `folder` (a new or empty folder, or one holding
-        only what hf_tangent runs write: destinations.claim_run_folder; files of the same names are
-        replaced); `echo` also prints the Markdown."""
+        """report.json, report.md and the plots in `folder`: a new or empty folder, or the output folder
+        of an earlier run (runs.claim_run_folder), which this report then replaces whole (the folder
+        holds the latest run only: runs.py), unless it is the folder this report's own run wrote into.
+        Each file is written through a temporary name, report.json last; `echo` also prints the Markdown."""
         claim_run_folder(folder, writer="Report.save")
-        folder = Path(folder)
-        self.plot(folder)
-        (folder / "report.json").write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
-        if self.tensors is not None:
-            from safetensors.torch import save_file
-
-            save_file(self.tensors, str(folder / self.data["directions_file"]), metadata={"report": self.kind})
-        markdown = self.to_markdown()
-        (folder / "report.md").write_text(markdown, encoding="utf-8")
+        target = Path(os.path.abspath(os.fspath(folder)))
+        own = target in ACTIVE or (self.run_folder is not None and Path(self.run_folder) == target)
+        with RunFolder(target, writer="Report.save", active=not own):
+            self._write(target)
         if echo:
-            print(markdown)
-            print(f"wrote {folder / 'report.json'} and report.md")
-        return folder
+            print(self.to_markdown())
+            print(f"wrote {target / 'report.json'} and report.md")
+        return Path(folder)
+
+    def _write(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = temporary_path(folder / "plots")  # the plots and tensors, moved in one by one
+        scratch.mkdir()
+        try:
+            for path in self.plot(scratch):
+                os.replace(path, folder / Path(path).name)
+            if self.tensors is not None:
+                from safetensors.torch import save_file
+
+                name = self.data["directions_file"]
+                save_file(self.tensors, str(scratch / name), metadata={"report": self.kind})
+                os.replace(scratch / name, folder / name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        write_atomically(folder / "report.md", self.to_markdown())
+        write_atomically(folder / "report.json", json.dumps(self.data, indent=2, default=str))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Report:

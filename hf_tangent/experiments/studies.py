@@ -28,10 +28,12 @@ from ..analysis.verdicts import summarize, verdict, verdict_outcome
 from ..core.config import TangentConfig
 from ..core.patching import patch
 from ..ranges import ProgressBar, Range, at_least, check_values, plain, validated
-from ..training.data import load_documents, pack_windows
+from ..training.data import documents_digest, load_documents, pack_windows
 from ..training.trainer import ObserveCallback, lm_dataset, loss_curve, train, training_arguments
 from . import plots
+from .common import versions
 from .report import Report, register_report
+from .runs import RunFolder, claim_run_folder
 
 STUDIES = {
     "tangential": {
@@ -212,6 +214,7 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
     The tokenizer is a byte-level BPE of the scale's vocabulary size trained on the training
     documents only, or GPT-2's where the scale has no vocabulary size (the `paper` scale)."""
     names = check_request(study, scale_name, variants, arch)
+    claim_run_folder(output_dir, writer="hf_tangent.run_study(output_dir=)")
     scale = resolve_scale(scale_name, overrides)
     seeds = list(seeds or scale["seeds"])
     if (train_docs is None) != (val_docs is None):
@@ -233,18 +236,22 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
     train_windows = pack_windows(tokenizer, train_docs, scale["seq_len"], scale["train_windows"])
     val_windows = pack_windows(tokenizer, val_docs, scale["seq_len"], scale["val_windows"])
     runs = []
-    for seed in seeds:
-        for variant in names:
-            runs.append(run_variant(study, variant, seed, scale, arch, tokenizer, train_windows, val_windows,
-                                    output_dir, branches, device))
-            if progress is not None:
-                progress.update(1)
+    with RunFolder(output_dir, writer="hf_tangent.run_study"):  # runs/<variant>-seed<k>: the Trainer's folders
+        for seed in seeds:
+            for variant in names:
+                runs.append(run_variant(study, variant, seed, scale, arch, tokenizer, train_windows, val_windows,
+                                        output_dir, branches, device))
+                if progress is not None:
+                    progress.update(1)
     summary = summarize(runs, names[0])
     return Report("study", {
         "study": study, "scale": scale_name, "arch": arch, "branches": list(branches), "settings": scale,
         "seeds": seeds, "variants": names, "runs": runs, "summary": summary, "verdict": verdict(study, summary, runs),
         "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(),
-        "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents"})
+        "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents",
+        "versions": versions(), "text_provenance": {"training": documents_digest({"train": list(train_docs)}),
+                                                    "evaluation": documents_digest({"validation": list(val_docs)})}},
+        run_folder=os.path.abspath(output_dir))
 
 
 def merge_reports(reports: list[dict]) -> dict:

@@ -6,6 +6,7 @@ Calibration and evaluation text are split by document, never by lines, so they c
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -14,7 +15,7 @@ from typing import Literal
 import torch
 
 from ..ranges import check_ranges
-from .corpora import DOMAINS, mixed_documents
+from .corpora import DOMAINS, mixed_documents, package_versions
 from .corpora.austen import (  # noqa: F401  (the names this module has always had)
     AUSTEN_NOVELS,
     AUSTEN_SPLITS,
@@ -100,6 +101,17 @@ def _leading_bos(tokenizer) -> int | None:
         return None
     probe = tokenizer("a")["input_ids"]
     return bos if probe and probe[0] == bos else None
+
+
+def documents_digest(domains: dict[str, list[str]]) -> dict:
+    """Domain -> {documents, characters, sha256 over the documents (UTF-8, each followed by a NUL)}."""
+    out = {}
+    for name, docs in domains.items():
+        digest = hashlib.sha256()
+        for doc in docs:
+            digest.update(doc.encode("utf-8") + b"\0")
+        out[name] = {"documents": len(docs), "characters": sum(map(len, docs)), "sha256": digest.hexdigest()}
+    return out
 
 
 @dataclass(frozen=True)
@@ -240,6 +252,25 @@ class TextSource:
                        else f"{files} (first 80% of documents)" if split else (
                            f"{mixed}:train" if self._mixed else "austen:calibration"))
         return {"evaluation": evaluation, "calibration": calibration}
+
+    def provenance(self, *, training: bool = False, every_domain: bool = False,
+                   read: dict[str, list[str] | dict[str, list[str]]] | None = None) -> dict:
+        """What reports record of the text beside `describe`: per domain of the evaluation text (and with
+        `training` of the training text) the number of documents and characters and a sha256 over the
+        documents as read, and for the offline corpus the Debian package and version of each domain.
+        `read`: {part: documents, or domain -> documents} that the experiment read itself, instead of reading again."""
+        domain = "austen" if self._offline_default and not self._mixed else "text"
+        if read is not None:
+            found = {part: documents_digest(docs if isinstance(docs, dict) else {domain: docs})
+                     for part, docs in read.items()}
+        else:
+            found = {"evaluation": documents_digest(self.evaluation_domains(training=training,
+                                                                            every_domain=every_domain))}
+            if training:
+                found["training"] = documents_digest(self.training_domains())
+        offline = sorted({d for part in found.values() for d in part} & set(DOMAINS)) if self._offline_default else []
+        found["packages"] = package_versions(offline) if offline else {}
+        return found
 
     def describe_calibration(self) -> str:
         """Provenance of calibration-only text (sensitivity, the parallel sweep's C_l)."""

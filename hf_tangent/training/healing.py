@@ -18,7 +18,12 @@ import torch
 from ..analysis.evaluation import eval_mode
 from ..core.patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy, tangent_layers
 from ..core.wrappers import peft_model_of
+from ..ranges import Range, check_values
 from .trainer import _transformers_callback
+
+# Distillation temperatures: > 0, and at most 100 (Hinton et al. use up to 20): the loss is scaled by T^2 and the
+# softmaxes at T flatten towards uniform, so at a huge T (1e308: T^2 = inf) the loss is NaN or all rounding.
+TEMPERATURE = Range(0, 100, open_low=True)
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -100,8 +105,7 @@ def heal_trainer_class():
 
     class HealTrainer(Trainer):
         def __init__(self, *args, temperature: float = 1.0, lm_weight: float = 0.0, teacher=None, **kwargs):
-            if not temperature > 0:
-                raise ValueError(f"temperature={temperature!r}; accepted: a number > 0.")
+            check_values({"temperature": TEMPERATURE}, temperature=temperature)
             if not 0.0 <= lm_weight <= 1.0:
                 raise ValueError(f"lm_weight={lm_weight!r}; accepted: a number in [0, 1].")
             super().__init__(*args, **kwargs)

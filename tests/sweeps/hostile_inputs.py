@@ -571,6 +571,7 @@ def heal_cases(tmp: Path, folder: Path):
 
     for fields, message in [(dict(stages=2, homotopy_fraction=0.0), "stages=2 with homotopy_fraction=0"),
                             (dict(stages=0), "stages=0 is out of range"), (dict(temperature=0.0), "temperature=0.0 is out"),
+                            (dict(temperature=1e308), "temperature=1e+308 is out of range; accepted: a number > 0 and <= 100"),
                             (dict(lm_weight=1.5), "lm_weight=1.5 is out of range"), (dict(method="qlora"), "accepted: one of 'lora', 'full'"),
                             (dict(homotopy_fraction=-0.5), "homotopy_fraction=-0.5 is out of range"),
                             (dict(schedule="cubic"), "accepted: linear, cosine")]:
@@ -733,7 +734,7 @@ def artifacts_cases(tmp: Path, folder: Path):
         before, real = tree(target), os.replace
 
         def flaky(src, dst):
-            if ".staging-" in str(src):
+            if ".hf_tangent-ready-" in str(src):  # moving the complete stage in
                 raise OSError("injected")
             return real(src, dst)
 
@@ -773,6 +774,7 @@ def artifacts_cases(tmp: Path, folder: Path):
     expect_ok("artifacts", "a re-save removes the earlier save's shards and index", stale_shards_do_not_survive)
     expect_ok("artifacts", "a float16 load of the same base is accepted", float16_load_accepted)
     expect_ok("artifacts", "one changed embedding row in the base is refused", one_row_refused)
+    issue47_artifact_cases(tmp, folder, gated, tree)
     repo = ht.save_patch(gated(), tmp / "trc")
     expect_error("artifacts", "trust_remote_code=True for a patch repo",
                  lambda: ht.from_pretrained(repo, trust_remote_code=True), "base_trust_remote_code=True")
@@ -780,6 +782,109 @@ def artifacts_cases(tmp: Path, folder: Path):
                  "skip_base_check= must be True or False")
     expect_error("artifacts", "save_patch card='a string'", lambda: ht.save_patch(gated(), tmp / "c", card="a string"),
                  "card= must be a dict")
+
+
+def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
+    """Issue 47: what a killed save leaves is finished or rolled back by the next reader or writer; an
+    empty folder is staged; a re-save keeps no file of the earlier save's tokenizer; reruns of a run
+    folder leave nothing of the earlier run; writers refuse what their reader would refuse."""
+    import subprocess
+
+    from hf_tangent.core.destinations import DestinationError
+    from hf_tangent.experiments.runs import RunFolder
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+    def killed_between_renames_finished_by_the_loader():
+        root = tmp / "killed"
+        new = gated(0.75)
+        ht.save_patch(gated(2.0), root / f".p.hf_tangent-old-{dead}-0123abcd")
+        ht.save_patch(new, root / "stage")
+        (root / "stage").rename(root / f".p.hf_tangent-ready-{dead}-4567cdef")
+        return torch.equal(logits(ht.from_pretrained(root / "p")), logits(new)) and [
+            p.name for p in root.iterdir()] == ["p"]
+
+    def legacy_old_copy_rolled_back_by_the_next_save():
+        root = tmp / "legacy"
+        ht.save_patch(gated(2.0), root / ".p.old-89abcdef")  # what 0.3 left after a kill between its renames
+        ht.save_patch(gated(0.25), root / "p")
+        return [p.name for p in root.iterdir()] == ["p"] and torch.equal(
+            logits(ht.from_pretrained(root / "p")), logits(gated(0.25)))
+
+    def empty_folder_staged():
+        from faults import Steps
+
+        (tmp / "empty").mkdir()
+        with Steps() as steps:
+            ht.save_patch(gated(), tmp / "empty")
+        return not [s for s in steps.log if s.startswith("open(") and f"{tmp / 'empty'}/" in s]
+
+    def tokenizer_of_the_earlier_save_gone():
+        from transformers import AutoTokenizer
+
+        target = tmp / "hub47"
+        other = AutoTokenizer.from_pretrained(folder)
+        other.add_special_tokens({"additional_special_tokens": ["<x>"]})
+        ht.save_hub_folder(gated(), target, tokenizer=other)
+        (target / "vocab.json").write_text("{}")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ht.save_hub_folder(gated(), target, tokenizer=tokenizer)
+        loaded = AutoTokenizer.from_pretrained(target)
+        gated().save_pretrained(target)
+        return (not (target / "vocab.json").exists() and len(loaded) == len(tokenizer)
+                and not (target / "tokenizer.json").exists())
+
+    def rerun_leaves_nothing_of_the_earlier_run():
+        run = tmp / "run47"
+        (run / "model").mkdir(parents=True)
+        (run / "model" / "config.json").write_text("{}")
+        (run / "runs" / "seed1").mkdir(parents=True)
+        with RunFolder(run):
+            (run / "patch").mkdir()
+        return sorted(p.name for p in run.iterdir()) == ["patch"]
+
+    def failed_run_gives_the_earlier_run_back():
+        run = tmp / "run47b"
+        (run / "patch").mkdir(parents=True)
+        (run / "report.json").write_text("{}")
+        before = tree(run)
+        try:
+            with RunFolder(run):
+                (run / "report.json").write_text("partial")
+                raise RuntimeError("stopped")
+        except RuntimeError:
+            pass
+        return tree(run) == before
+
+    expect_ok("artifacts", "a save killed between its renames is finished by the next loader (logged)",
+              killed_between_renames_finished_by_the_loader)
+    expect_ok("artifacts", "0.3's .NAME.old-* left by a kill is rolled back by the next save",
+              legacy_old_copy_rolled_back_by_the_next_save)
+    expect_ok("artifacts", "a save into an existing empty folder is staged (nothing written inside it in place)",
+              empty_folder_staged)
+    expect_ok("artifacts", "a re-save with another tokenizer, then without one, keeps none of the earlier tokenizer",
+              tokenizer_of_the_earlier_save_gone)
+    expect_ok("artifacts", "a rerun into a run folder leaves nothing of the earlier run", rerun_leaves_nothing_of_the_earlier_run)
+    expect_ok("artifacts", "a run that fails gives the earlier run back byte-identical", failed_run_gives_the_earlier_run_back)
+    for case, kwargs, message in [("save_patch(base_model=123)", dict(base_model=123), "base_model=123; accepted"),
+                                  ("save_patch(base_model='')", dict(base_model=""), "base_model=''; accepted"),
+                                  ("save_patch(revision=5)", dict(revision=5), "revision=5; accepted")]:
+        expect_error("artifacts", case, lambda k=kwargs: ht.save_patch(gated(), tmp / "p47", **k), message)
+    (tmp / "user47").mkdir()
+    (tmp / "user47" / "thesis.tex").write_text("x")
+    expect_error("artifacts", "Report.save into a folder of the user's files",
+                 lambda: _eval_report().save(tmp / "user47"), "holds files no hf_tangent run writes",
+                 kinds=(DestinationError,))
+
+
+def _eval_report():
+    from hf_tangent.experiments.report import Report
+
+    return Report("eval", {"command": "eval", "model": "m", "text": "t", "seq_len": 8, "windows": 1,
+                           "tokens_per_variant": 1, "seconds": 0.1, "unpatched_is": "the model", "device": "cpu",
+                           "rows": [{"variant": "unpatched", "nll": 1.0, "perplexity": 2.7, "delta_nll": 0.0,
+                                     "delta_perplexity": 0.0}]})
 
 
 def lm_eval_cases(tmp: Path, folder: Path):
@@ -846,6 +951,17 @@ def lm_eval_cases(tmp: Path, folder: Path):
             ("merge_lm_eval of another model", [part, Report("lm-eval", {**part.data, "model": "other"})],
              "the parts differ in 'model'")]:
         expect_error("lm_eval", case, lambda r=reports: ht.merge_lm_eval(r), message)
+    other_weights = copy.deepcopy(more.data)
+    other_weights["weights"]["digest"] = "0" * 64
+    other_software = copy.deepcopy(more.data)
+    other_software["versions"]["lm_eval"] = "0.0.1"
+    no_digest = {k: v for k, v in more.data.items() if k != "weights"}
+    for case, data, message in [("merge_lm_eval of parts scored on other weights", other_weights,
+                                 "the parts scored different weights"),
+                                ("merge_lm_eval of parts run with another lm-eval", other_software,
+                                 "the parts ran other software: lm_eval"),
+                                ("merge_lm_eval of a part that records no weights digest", no_digest, "records no weights")]:
+        expect_error("lm_eval", case, lambda d=data: ht.merge_lm_eval([part, Report("lm-eval", d)]), message)
     expect_error("lm_eval", "merge_lm_eval of a report with itself (a part twice)", lambda: ht.merge_lm_eval([part, part]),
                  "repeats a part already given")
     expect_error("lm_eval", "merge_lm_eval of a transformers part and a vLLM part",

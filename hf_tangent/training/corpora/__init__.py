@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...artifacts.checkpoints import cache_dir
-from .austen import AUSTEN_SPLITS, austen_dir, check_text_files
+from .austen import AUSTEN_SPLITS, austen_dir, austen_source, check_text_files
 from .debian import CORPUS_DOMAINS, CORPUS_ENV, DOMAINS, SPLITS, Domain, Sizes, build_corpus, extract_packages
 
 __all__ = ["CORPUS_VERSION", "DOMAINS", "SPLITS", "Domain", "Sizes", "build_corpus", "corpus_dir",
-           "domain_documents", "mixed_documents"]
+           "domain_documents", "mixed_documents", "package_versions"]
 
 CORPUS_VERSION = "1"  # bump when the extraction changes: it names the cache folder
 # The Austen split names of data.py for this module's train / heldout.
@@ -115,3 +115,26 @@ def mixed_documents(split: str, domains: Sequence[str] | None = None) -> dict[st
         raise ValueError(f"domains={list(domains)!r}: accepted: a non-empty list of distinct names among "
                          f"{', '.join(DOMAINS)}.")
     return {domain: domain_documents(domain, split) for domain in domains}
+
+
+def package_versions(domains: Sequence[str]) -> dict[str, dict]:
+    """Domain -> {"package", "version"}: the Debian package each domain's text was read from, as the
+    corpus folder's sources.json (austen: its folder's source.json) records it; version None where
+    nothing records it."""
+    import json
+
+    recorded = {}
+    if any(domain != "austen" for domain in domains):
+        try:
+            recorded = json.loads((corpus_dir() / "sources.json").read_text(encoding="utf-8"))["domains"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = {}
+    out = {}
+    for domain in domains:
+        if domain == "austen":
+            out[domain] = austen_source()
+        else:
+            entry = recorded.get(domain) if isinstance(recorded, dict) else None
+            out[domain] = {"package": DOMAINS[domain].package,
+                           "version": entry.get("version") if isinstance(entry, dict) else None}
+    return out

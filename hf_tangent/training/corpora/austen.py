@@ -5,6 +5,7 @@ that every reader of files uses."""
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +21,17 @@ AUSTEN_SPLITS = {
     "evaluation": ("emma", "mansfieldpark"),
 }
 AUSTEN_NOVELS = AUSTEN_SPLITS["calibration"] + AUSTEN_SPLITS["evaluation"]
+SOURCE_FILE = "source.json"  # {"package", "version"} of the Debian package the novels were read from
+
+
+def austen_source() -> dict:
+    """The package and version the novels were read from, as recorded beside them (None where the folder
+    was not extracted by this module: HF_TANGENT_AUSTEN_DIR, or a cache written before it recorded it)."""
+    path = austen_dir() / SOURCE_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"package": "r-cran-janeaustenr", "version": None}
 
 
 def _has_novels(folder: Path) -> bool:
@@ -61,6 +73,9 @@ def _extract_austen_from_debian(target: Path) -> None:
     staging = Path(tempfile.mkdtemp(dir=_mkdir(target.parent), prefix=".austen-"))
     for name in AUSTEN_NOVELS:
         (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
+    version = debs[0].name.split("_")[1]  # name_version_arch.deb: what reports record as the text's source
+    (staging / SOURCE_FILE).write_text(json.dumps({"package": "r-cran-janeaustenr", "version": version}) + "\n",
+                                       encoding="utf-8")
     staging.chmod(0o755)
     try:
         os.replace(staging, target)

@@ -1,0 +1,166 @@
+"""Issue 47: every writer is crash-consistent, and what it leaves is finished or rolled back by the next
+writer or loader, with a log line.
+
+Fault injection (tests/faults.py) counts every filesystem step of a writer (mkdir, rename, replace,
+rmdir, unlink, chmod, rmtree, copy2, a file opened for writing, safetensors' save_file) and either
+raises an OSError at step N or kills the process with SIGKILL before or after step N. The kills run
+in tests/crash_worker.py, one process started with OMP_NUM_THREADS=1 that forks a child per kill
+point (a process whose OpenMP pool has started cannot fork safely). After each kill or error the
+target must be the old content or the new one, byte for byte, once the next reader has run (it
+loads with the logits of that model), and the next writer must succeed and leave nothing else.
+
+By default: every rename and the first step of each other kind, for a patch repo, an empty folder and
+a run folder (killed before the step), and for a complete folder and a run folder (an error at the
+step). With -m slow: every step of every writer (patch repo, complete folder, Hub folder with a
+tokenizer, a LoRA patch repo, an empty folder, a new folder, a run folder), killed before and after
+it and failing at it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import hf_tangent as ht
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import crash_worker  # noqa: E402
+
+ALL = tuple(crash_worker.SCENARIOS)
+
+
+def worker(tmp_path, scenarios, steps, modes) -> dict:
+    out = tmp_path / "walk.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(HERE / "crash_worker.py"), str(out), ",".join(scenarios), steps,
+                             ",".join(modes)], capture_output=True, text=True, timeout=1800, env=env,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_a_kill_at_each_rename_of_each_writer_leaves_the_old_or_the_new_content(tmp_path):
+    walked = worker(tmp_path, ["patch_repo", "empty_folder", "run_folder"], "renames", ["before"])
+    for name, entry in walked.items():
+        renames = [k for k, s in enumerate(entry["steps"], 1) if s.startswith("replace(")]
+        assert set(renames) <= set(entry["tested"]["before"]), name
+    # the protocol's own steps are among them: the stage made, moved to ready, the old moved aside, moved in
+    labels = [walked["patch_repo"]["steps"][k - 1] for k in walked["patch_repo"]["tested"]["before"]]
+    for marker in (".hf_tangent-staging-", ".hf_tangent-ready-", "replace(", "rmtree(", "save_file("):
+        assert any(marker in label for label in labels), marker
+
+
+@pytest.mark.slow
+def test_a_kill_or_an_error_at_every_step_of_every_writer_leaves_the_old_or_the_new_content(tmp_path):
+    """The exhaustive walk (about 7 minutes here); its list of steps is the one docs/core.md describes."""
+    walked = worker(tmp_path, ALL, "all", ["before", "after", "raise"])
+    for name, entry in walked.items():
+        assert all(entry["tested"][mode] == list(range(1, len(entry["steps"]) + 1)) for mode in entry["tested"]), name
+
+
+@pytest.mark.filterwarnings("ignore:.*could not be removed:UserWarning")  # an rmtree made to fail: said, left for later
+def test_an_error_at_each_rename_leaves_the_old_content(tmp_path):
+    """In this process (nothing forks): an OSError at each rename and the first step of each other kind of
+    a complete folder's save and of a run; a failed removal of the replaced content (warned) is
+    finished by the next writer."""
+    logging.getLogger("hf_tangent").setLevel(logging.ERROR)
+    try:
+        walked = crash_worker.run(tmp_path, ["patched_folder", "run_folder"], "renames", ["raise"])
+    except SystemExit:
+        pytest.fail("the error walk failed (see the captured stderr)")
+    finally:
+        logging.getLogger("hf_tangent").setLevel(logging.NOTSET)
+    assert len(walked["patched_folder"]["tested"]["raise"]) >= 8 and len(walked["run_folder"]["tested"]["raise"]) >= 15
+
+
+# ----------------------------------------------------------------------------- recovery, as a user meets it
+def _dead_pid() -> int:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def _gated(folder, value):
+    model = ht.patch(LlamaForCausalLM.from_pretrained(folder).eval(), ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(value)
+    return model
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.arange(12)[None]).logits
+
+
+def test_a_save_killed_between_its_renames_is_finished_by_the_next_loader(tiny_lm_folder, tmp_path, caplog):
+    """The kill left no folder, the old content aside and the new one ready: ht.from_pretrained moves the new
+    one in (logged) and loads it; nothing is left beside it."""
+    old, new = _gated(tiny_lm_folder, 2.0), _gated(tiny_lm_folder, 0.5)
+    pid = _dead_pid()
+    old.save_pretrained(tmp_path / "aside")
+    new.save_pretrained(tmp_path / "ready")
+    os.rename(tmp_path / "aside", tmp_path / f".model.hf_tangent-old-{pid}-0123abcd")
+    os.rename(tmp_path / "ready", tmp_path / f".model.hf_tangent-ready-{pid}-4567cdef")
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        loaded = ht.from_pretrained(tmp_path / "model")
+    assert torch.equal(_logits(loaded), _logits(new))
+    assert "an interrupted save of" in caplog.text and "was finished: the new content moved in" in caplog.text
+    assert "the replaced content" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_the_old_copy_an_earlier_release_left_is_rolled_back_by_the_next_save(tiny_lm_folder, tmp_path, caplog):
+    """0.3 left `.NAME.old-*` with no NAME after a kill between its renames, and later saves never
+    cleaned it (issue 47): now the next save moves it back (logged) before replacing it, and the next
+    loader does the same."""
+    old, new = _gated(tiny_lm_folder, 2.0), _gated(tiny_lm_folder, 0.5)
+    old.save_pretrained(tmp_path / "legacy")
+    os.rename(tmp_path / "legacy", tmp_path / ".model.old-89abcdef")
+    (tmp_path / ".model.staging-01234567").mkdir()
+    (tmp_path / ".model.staging-01234567" / "gates.safetensors").write_bytes(b"partial")
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        assert torch.equal(_logits(ht.from_pretrained(tmp_path / "model")), _logits(old))
+    assert "was rolled back: the previous content moved back" in caplog.text and "(incomplete)" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    os.rename(tmp_path / "model", tmp_path / ".model.old-89abcdef")
+    new.save_pretrained(tmp_path / "model")
+    assert torch.equal(_logits(ht.from_pretrained(tmp_path / "model")), _logits(new))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_the_stage_of_a_save_still_running_is_left_alone(tiny_lm_folder, tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stage = tmp_path / f".patch.hf_tangent-staging-{sleeper.pid}-0123abcd"
+        stage.mkdir()
+        ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "patch")
+        assert stage.is_dir()  # another process's save in progress
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "patch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
+
+
+def test_an_empty_folder_is_staged_too_and_keeps_its_mode(tiny_lm_folder, tmp_path):
+    """0.3 wrote into an existing empty folder in place: a kill left e.g. gates.safetensors alone, and
+    every later save there was refused as a folder hf_tangent did not write. Now it is staged like any
+    other destination (the kill walk's empty_folder scenario kills it at every step)."""
+    from faults import Steps
+
+    (tmp_path / "out").mkdir(mode=0o700)
+    (tmp_path / "out").chmod(0o2750)
+    with Steps() as steps:
+        ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "out")
+    written = [s for s in steps.log if s.startswith(("save_file", "open("))]
+    assert written and not [s for s in steps.log if s.startswith("open(") and f"{tmp_path}/out/" in s]
+    assert (tmp_path / "out").stat().st_mode & 0o7777 == 0o2750
+    assert (tmp_path / "out" / "hf_tangent_patch.json").is_file()

@@ -1,0 +1,203 @@
+"""Issue 47: every report records what produced it (the library versions, a digest of the weights it
+scored, the text's digests and, for the offline corpus, the Debian package versions), `lm-eval-merge`
+refuses parts of other weights or software naming both, and the small defects of the fifth probe:
+each checked against an independent computation or by message, each pinned by a case that failed before."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaForCausalLM
+
+import hf_tangent as ht
+from hf_tangent.experiments.report import Report
+
+
+def blake2b_of_parameters(model) -> str:
+    """The digest written out independently: every parameter's name, dtype, shape and raw bytes."""
+    digest = hashlib.blake2b(digest_size=32)
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{param.dtype}:{tuple(param.shape)};".encode())
+        digest.update(param.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_an_eval_report_records_versions_weights_and_text(tiny_lm_folder, austen_dir, tmp_path):
+    text = tmp_path / "emma.txt"
+    text.write_text((austen_dir / "emma.txt").read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    model = LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval()
+    report = ht.evaluate_rules(str(tiny_lm_folder), text=ht.TextSource(text_files=(str(text),)), rules=["projected"],
+                               seq_len=16, max_windows=2, progress=False)
+    versions = report["versions"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
+    assert versions["hf_tangent"] == ht.__version__ and versions["lm_eval"] == importlib.metadata.version("lm_eval")
+    assert set(versions) >= {"vllm", "peft", "datasets", "accelerate", "safetensors"}
+    assert report["weights"]["digest"] == blake2b_of_parameters(model)
+    assert report["weights"]["parameters"] == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7, 3] += 1e-6  # one value: another digest
+    assert blake2b_of_parameters(model) != report["weights"]["digest"]
+    expected = hashlib.sha256(text.read_text(encoding="utf-8").encode() + b"\0").hexdigest()
+    assert report["text_provenance"]["evaluation"] == {
+        "text": {"documents": 1, "characters": len(text.read_text(encoding="utf-8")), "sha256": expected}}
+    assert report["text_provenance"]["packages"] == {}  # the user's own file: no package
+
+
+def test_the_mixed_corpus_records_each_domains_package_version(tmp_path, monkeypatch):
+    """The issue's case: a mixed-corpus report said "corpus": "mixed" and not which package versions the text
+    came from. A corpus folder built with versions records them per domain (sources.json), Austen's from
+    the source.json written beside the novels."""
+    from conftest import AUSTEN, CORPUS_EXCERPTS
+
+    from hf_tangent.training.corpora import DOMAINS, debian
+
+    corpus = tmp_path / "corpus"
+    versions = {d.package: f"1.{k}-2" for k, d in enumerate(DOMAINS.values()) if d.package}
+    debian.build_corpus(CORPUS_EXCERPTS, corpus, versions, debian.Sizes(document_words=300, min_document_words=50,
+                                                                        heldout_min_words=0, heldout_max_words=10**9,
+                                                                        train_max_words=10**9))
+    novels = tmp_path / "austen"
+    novels.mkdir()
+    for path in AUSTEN.glob("*.txt"):
+        (novels / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (novels / "source.json").write_text(json.dumps({"package": "r-cran-janeaustenr", "version": "0.1.5-1"}))
+    monkeypatch.setenv("HF_TANGENT_CORPUS_DIR", str(corpus))
+    monkeypatch.setenv("HF_TANGENT_AUSTEN_DIR", str(novels))
+    found = ht.TextSource(corpus="mixed").provenance(training=True)
+    assert found["packages"]["austen"] == {"package": "r-cran-janeaustenr", "version": "0.1.5-1"}
+    for name, domain in DOMAINS.items():
+        if name != "austen":
+            assert found["packages"][name] == {"package": domain.package, "version": versions[domain.package]}
+    heldout = sorted((corpus / "jargon" / "heldout").glob("*.txt"))
+    digest = hashlib.sha256()
+    for path in heldout:
+        digest.update(path.read_text(encoding="utf-8").encode() + b"\0")
+    assert found["evaluation"]["jargon"] == {"documents": len(heldout), "sha256": digest.hexdigest(),
+                                             "characters": sum(len(p.read_text(encoding="utf-8")) for p in heldout)}
+    assert set(found["training"]) == set(DOMAINS)
+
+
+# ----------------------------------------------------------------------------- lm-eval-merge
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    pytest.importorskip("lm_eval")
+    from conftest import tiny_smollm2_llama
+
+    folders = []
+    for seed in (0, 1):
+        folder = tmp_path_factory.mktemp(f"random{seed}")
+        model, tokenizer = tiny_smollm2_llama(max_positions=1024)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.2)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def _part(folder, task):
+    return ht.lm_eval(str(folder), tasks=[task], variants=["unpatched"], limit=2, bootstrap=10)
+
+
+@pytest.fixture(scope="module")
+def parts(two_models):
+    """a: model 0 on one task; b: model 1 (other weights) on another; same: model 0 on b's task."""
+    return {"a": _part(two_models[0], "austen_lastword"), "b": _part(two_models[1], "austen_nextsentence"),
+            "same": _part(two_models[0], "austen_nextsentence")}
+
+
+def test_merge_refuses_parts_scored_on_other_weights_naming_both(parts, tmp_path):
+    """The issue's case: two random models under the same name, one task each, merged without a word."""
+    from hf_tangent import cli
+
+    a, b, same = parts["a"], Report("lm-eval", copy.deepcopy(parts["b"].data)), parts["same"]
+    b.data["model"] = a.data["model"]  # the same name, other weights
+    a.save(tmp_path / "a")
+    b.save(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"the parts scored different weights: part 1 \(a Report object\) "
+                                         r"[0-9a-f]{16}\.\.\. .* and part 2 \(a Report object\) [0-9a-f]{16}"):
+        ht.merge_lm_eval([a, b])
+    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output_dir",
+                     str(tmp_path / "merged")]) == 2
+    assert not (tmp_path / "merged").exists()
+    merged = ht.merge_lm_eval([a, same])  # the same weights: merged, with the provenance kept
+    assert merged["weights"] == a["weights"] and merged["versions"] == a["versions"]
+    assert merged["task_files"] == a["task_files"] | same["task_files"]
+    other = Report("lm-eval", copy.deepcopy(same.data))
+    other.data["versions"]["transformers"] = "4.0.0"
+    with pytest.raises(ValueError, match=rf"transformers {transformers.__version__} in part 1 \(a Report object\) "
+                                         r"and 4.0.0 in part 2"):
+        ht.merge_lm_eval([a, other])
+    older = Report("lm-eval", {k: v for k, v in same.data.items() if k != "weights"})
+    with pytest.raises(ValueError, match="part 2 .* records no weights .* rerun that part"):
+        ht.merge_lm_eval([a, older])
+    files = Report("lm-eval", copy.deepcopy(same.data))
+    files.data["task_files"]["austen_nextsentence"] = "0" * 64
+    files.data["seconds"] += 1
+    with pytest.raises(ValueError, match="the task 'austen_nextsentence' differs between"):
+        ht.merge_lm_eval([a, same, files])
+
+
+# ----------------------------------------------------------------------------- the small defects
+def read_only(folder: Path):
+    """Make `folder` unwritable for this process (root writes anywhere but into an immutable folder: chattr
+    +i); returns the function that undoes it."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return lambda: folder.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("root here cannot make a folder unwritable (no chattr +i on this filesystem)")
+    return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_lm_eval_merge_into_a_folder_it_cannot_write_says_so(parts, tmp_path, capsys):
+    """Was a PermissionError traceback from PIL; the other commands say "not writable"."""
+    from hf_tangent import cli
+
+    parts["a"].save(tmp_path / "a")
+    parts["same"].save(tmp_path / "b")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    undo = read_only(locked)
+    try:
+        code = cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output_dir", str(locked)])
+    finally:
+        undo()
+    assert code == 2
+    assert f"error: --output-dir: '{locked}' is not writable" in capsys.readouterr().err
+    assert list(locked.iterdir()) == []
+
+
+def test_save_patch_refuses_a_base_name_its_reader_would_refuse(tiny_lm_folder, tmp_path):
+    """save_patch(..., base_model=123) wrote a repo that the package's own reader refused."""
+    model = ht.patch(LlamaForCausalLM.from_pretrained(tiny_lm_folder), ht.TangentConfig(update="projected", gates=True))
+    for value, option in ((123, "base_model=123"), ("", "base_model=''"), (b"x", "base_model=b'x'")):
+        with pytest.raises(TypeError, match=rf"{option}; accepted: a hub id, a local folder or an offline name"):
+            ht.save_patch(model, tmp_path / "patch", base_model=value)
+    with pytest.raises(TypeError, match="revision=5; accepted: a revision string"):
+        ht.save_patch(model, tmp_path / "patch", revision=5)
+    assert not (tmp_path / "patch").exists() and not list(tmp_path.iterdir())
+    folder = ht.save_patch(model, tmp_path / "patch", base_model=Path(tiny_lm_folder))  # a PathLike: recorded as str
+    assert ht.get_config(ht.from_pretrained(folder)).update == "projected"
+
+
+def test_heal_refuses_a_temperature_whose_loss_overflows(tiny_lm_folder):
+    """heal --temperature 1e308 ran and wrote NaN into the report (T^2 = inf)."""
+    from hf_tangent import cli
+    from hf_tangent.experiments.heal import HealSettings
+
+    with pytest.raises(ValueError, match=r"temperature=1e\+308 is out of range; accepted: a number > 0 and <= 100"):
+        HealSettings(temperature=1e308)
+    assert cli.main(["heal", "--model", str(tiny_lm_folder), "--temperature", "1e308"]) == 2
+    assert HealSettings(temperature=100.0).temperature == 100.0
