@@ -21,8 +21,10 @@ from ..integrations.harness.run import (
     BACKENDS,
     PAIRED_METRICS,
     evaluate,
+    model_context,
     require_lm_eval,
     require_vllm,
+    rolling_tasks,
     task_manager,
     vllm_lm,
 )
@@ -81,8 +83,10 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
+    _check_contexts(model, tokenizer, model_folders, rolling_tasks(manager, list(tasks)))
     if backend == "vllm":
         _check_served(model)
+        _check_vllm_context(model, tokenizer, manager, tasks, vllm_args)
     scratch = tempfile.TemporaryDirectory(prefix="hf_tangent_vllm_") if backend == "vllm" else None
     clock = Clock()
     runs, seconds = {}, {}
@@ -135,6 +139,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         "num_fewshot": num_fewshot, "limit": limit, "include_path": include_path, "bootstrap": bootstrap,
         "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text), "
                            f"task files version {TASK_VERSION}" for t in tasks if t in TASKS},
+        "context": {label: r["context"] for label, r in runs.items()},
         "results": {label: r["results"] for label, r in runs.items()},
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "groups": runs["unpatched"]["groups"],
@@ -178,6 +183,44 @@ def _check_served(model) -> None:
     if config is not None and "attention" in config.branches and config.update != "add":
         raise ValueError("hf_tangent.lm_eval: backend='vllm' does not serve branches=('ffn', 'attention') (the model "
                          "passed in); use backend='hf'.")
+
+
+def _check_vllm_context(model, tokenizer, manager, tasks, vllm_args: dict) -> None:
+    """backend="vllm": a perplexity task (rolling windows) is scored in windows of the model's own context, as
+    backend="hf" scores it; a max_model_len (or max_length) below it would score other windows, so other
+    numbers under the same task name: refused before any variant is scored."""
+    served = vllm_args.get("max_model_len", vllm_args.get("max_length"))
+    if served is None:  # vLLM serves the folder's own context, which is the one HFLM reads
+        return
+    rolling = rolling_tasks(manager, list(tasks))
+    own = model_context(model, tokenizer)
+    if rolling and int(served) < own:
+        raise ValueError(
+            f"hf_tangent.lm_eval: backend='vllm' with max_model_len={served} would score {', '.join(rolling)} (lm-eval's "
+            f"perplexity: rolling windows of the context) in windows of {served} tokens, and backend='hf' scores them in "
+            f"windows of the model's context, {own} tokens: other requests, other numbers under the same name. Leave "
+            f"max_model_len out of vllm_args (vLLM then serves the model's {own} tokens), or score {', '.join(rolling)} "
+            "with backend='hf'.")
+
+
+def _check_contexts(model, tokenizer, model_folders, rolling: list[str]) -> None:
+    """A perplexity task pairs documents scored in rolling windows of the context: a saved complete folder whose
+    config gives another context than the model's would be compared on other windows; refused up front (a patch
+    repo's base is the model's own, checked by its record)."""
+    if not rolling:
+        return
+    own = model_context(model, tokenizer)
+    for folder in model_folders:
+        if is_patch_repo(folder):
+            continue
+        config = _config_json(folder) or {}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        theirs = next((text[k] for k in ("n_positions", "max_position_embeddings", "n_ctx") if isinstance(text.get(k), int)),
+                      None)
+        if theirs is not None and theirs != own:
+            raise ValueError(f"hf_tangent.lm_eval: model_folders entry {str(folder)!r} has a context of {theirs} tokens and "
+                             f"the model {own}: {', '.join(rolling)} (rolling windows of the context) would pair other "
+                             "windows; accepted: folders of the same base, or those tasks left out.")
 
 
 def _complete_folder(model, tokenizer, folder: str) -> str:
@@ -456,8 +499,14 @@ def report_tasks(report: dict) -> list[str]:
 
 
 def lm_eval_markdown(report: dict) -> str:
+    where = ("on the model in memory" if report.get("backend", "hf") == "hf" else
+             f"through vLLM (lm-eval's VLLM model; every variant written as a complete folder and served by vLLM with "
+             f"hf_tangent's plugin; vllm_args {report.get('vllm_args') or {}})")
+    contexts = sorted({c for c in (report.get("context") or {}).values() if c is not None})
+    context = (f"; context {contexts[0]} tokens (a perplexity task's rolling windows)" if len(contexts) == 1 else
+               "; contexts per variant: " + ", ".join(f"{v} {c}" for v, c in report["context"].items()) if contexts else "")
     lines = [f"# hf-tangent lm-eval: {report['model']}", "",
-             f"EleutherAI's LM Evaluation Harness on the model in memory; {limit_text(report)}, "
+             f"EleutherAI's LM Evaluation Harness {where}{context}; {limit_text(report)}, "
              f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
              f"paired bootstrap interval ({report['bootstrap']} resamples; bits_per_byte and word_nll, nats per word, "
              f"as ratios of sums over the documents); {report['seconds']} s"
