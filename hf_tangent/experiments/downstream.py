@@ -15,6 +15,7 @@ import torch
 from ..analysis.evaluation import update_variants
 from ..analysis.stats import bootstrap_interval, strata_mean
 from ..artifacts.loading import from_pretrained
+from ..artifacts.offline import hub_error, unreachable
 from ..artifacts.patch_repo import is_patch_repo, read_record
 from ..core.patching import get_config, patch, without_patch
 from ..integrations.harness.run import (
@@ -279,6 +280,9 @@ def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
                     raise ValueError("it has no config.json")
                 vocab = _vocab_size(config)
         except (OSError, ValueError) as err:
+            reason = unreachable(err)
+            if reason is not None:  # a hub id where the Hub is not reached: say that, not "not a folder"
+                raise hub_error(f"the model_folders entry {str(folder)!r}", "load", reason) from err
             raise ValueError(f"{where} is neither a patch repo nor a saved model folder ({err}); accepted: folders "
                              "written by hf_tangent.save_patch or save_pretrained, or their hub ids.") from None
         if vocab is not None and vocab < needed:
