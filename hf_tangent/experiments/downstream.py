@@ -140,7 +140,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         "num_fewshot": num_fewshot, "limit": limit, "include_path": include_path, "bootstrap": bootstrap,
         "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text), "
                            f"task files version {TASK_VERSION}" for t in tasks if t in TASKS},
-        "context": {label: r["context"] for label, r in runs.items()},
+        "rolling_window": {label: r["rolling_window"] for label, r in runs.items()},
         "results": {label: r["results"] for label, r in runs.items()},
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "groups": runs["unpatched"]["groups"],
@@ -198,10 +198,10 @@ def _check_vllm_context(model, tokenizer, manager, tasks, vllm_args: dict) -> No
     if rolling and int(served) < own:
         raise ValueError(
             f"hf_tangent.lm_eval: backend='vllm' with max_model_len={served} would score {', '.join(rolling)} (lm-eval's "
-            f"perplexity: rolling windows of the context) in windows of {served} tokens, and backend='hf' scores them in "
-            f"windows of the model's context, {own} tokens: other requests, other numbers under the same name. Leave "
-            f"max_model_len out of vllm_args (vLLM then serves the model's {own} tokens), or score {', '.join(rolling)} "
-            "with backend='hf'.")
+            f"perplexity: rolling windows of the context) in windows of {int(served) - 2} tokens, where backend='hf' "
+            f"scores windows of the model's context, {own} tokens: other requests, other numbers under the same name. "
+            f"Leave max_model_len out of vllm_args (vLLM then serves the model's {own} tokens, in windows of {own - 2}: "
+            f"lm-eval's VLLM keeps two tokens free), or score {', '.join(rolling)} with backend='hf'.")
 
 
 def _check_contexts(model, tokenizer, model_folders, rolling: list[str]) -> None:
@@ -506,9 +506,10 @@ def lm_eval_markdown(report: dict) -> str:
     where = ("on the model in memory" if report.get("backend", "hf") == "hf" else
              f"through vLLM (lm-eval's VLLM model; every variant written as a complete folder and served by vLLM with "
              f"hf_tangent's plugin; vllm_args {report.get('vllm_args') or {}})")
-    contexts = sorted({c for c in (report.get("context") or {}).values() if c is not None})
-    context = (f"; context {contexts[0]} tokens (a perplexity task's rolling windows)" if len(contexts) == 1 else
-               "; contexts per variant: " + ", ".join(f"{v} {c}" for v, c in report["context"].items()) if contexts else "")
+    windows = sorted({c for c in (report.get("rolling_window") or {}).values() if c is not None})
+    context = (f"; a perplexity task in rolling windows of {windows[0]} tokens" if len(windows) == 1 else
+               "; a perplexity task's rolling windows per variant: "
+               + ", ".join(f"{v} {c} tokens" for v, c in report["rolling_window"].items()) if windows else "")
     lines = [f"# hf-tangent lm-eval: {report['model']}", "",
              f"EleutherAI's LM Evaluation Harness {where}{context}; {limit_text(report)}, "
              f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
@@ -523,6 +524,9 @@ def lm_eval_markdown(report: dict) -> str:
                   + (f" — a group of {len(group)} subtasks, paired over all their documents" if group else ""), ""]
         metrics = sorted({k for r in report["results"].values() for k in r.get(task, {}) if "stderr" not in k
                           and k != "sample_len"})
+        if windows and any(m.startswith(("bits_per_byte", "word_perplexity")) for m in metrics):
+            lines += [f"Rolling windows of {', '.join(map(str, windows))} tokens ({_backend_windows(report)}); paired "
+                      "only within this report (`lm-eval-merge` refuses parts of another backend).", ""]
         paired = [m for m in PAIRED_SHOWN if any(m in p.get(task, {}) for p in report["paired"].values())]
         header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in paired]]
         lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
@@ -543,6 +547,12 @@ def lm_eval_markdown(report: dict) -> str:
         lines += ["", f"No paired differences for `{task}`: {why}."]
     lines += ["", "![paired differences](lm_eval_differences.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _backend_windows(report: dict) -> str:
+    if report.get("backend", "hf") == "vllm":
+        return "lm-eval's VLLM: the served max_model_len less two tokens"
+    return "lm-eval's HFLM: the model's context"
 
 
 def _plot_lm_eval(data, folder):

@@ -119,8 +119,9 @@ def model_context(model, tokenizer) -> int:
 def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
              batch_size: int = 1, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
     """lm_eval.simple_evaluate on an HFLM wrapping the model object (or on `model` itself when it is already an
-    lm-eval model, such as `vllm_lm`'s): {"context": the model's context as lm-eval used it (max_length: the
-    rolling windows of a perplexity task, the truncation of long requests), "results": the metrics as lm-eval
+    lm-eval model, such as `vllm_lm`'s): {"rolling_window": the tokens per rolling window of a perplexity task as
+    lm-eval built them (HFLM: its max_length, the model's context; VLLM: max_length - 2, one token of context and
+    one of generation kept free: the two backends never score the same windows), "results": the metrics as lm-eval
     names them per task (a group's subtasks included), "samples": {task: {doc_id: {metric: value}}}
     per leaf task (a group's per-sample outputs are its subtasks'), for the paired metrics (acc,
     acc_norm) and a rolling task's log-likelihood with its words and bytes, "groups": {group: its leaf
@@ -155,7 +156,13 @@ def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | 
             samples[leaf][int(sample["doc_id"])] = values
     return {"results": results, "samples": samples, "n_samples": out.get("n-samples", {}),
             "groups": {task: names for task, names in leaves.items() if names != [task]},
-            "context": int(lm.max_length)}
+            "rolling_window": rolling_window(lm)}
+
+
+def rolling_window(lm) -> int:
+    """Tokens per rolling window of a perplexity task, as this lm-eval model builds them (lm-eval 0.4.13:
+    HFLM.loglikelihood_rolling uses max_seq_len=max_length, VLLM's max_length - 2)."""
+    return int(lm.max_length) - (2 if type(lm).__name__ == "VLLM" else 0)
 
 
 def _descendants(task: str, groups: dict) -> list[str]:
