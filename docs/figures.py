@@ -366,8 +366,12 @@ def results_parallel() -> str:
 
 def eval_table(path: str) -> str:
     r = report(path)
-    head = (f"Result of the main command (this 2-core CPU, {r['dtype']}, Emma, {r['windows']} windows x {r['seq_len']} "
-            f"tokens, {round(r['seconds'])} s; [report](docs/results/{path.replace('.json', '.md')})):\n\n")
+    main = report("offline_default_smollm2.json")
+    head = (f"`hf-tangent eval` at its defaults (this 2-core CPU, {r['dtype']}, Emma, {r['windows']} windows x {r['seq_len']} "
+            f"tokens, {round(r['seconds'])} s; [report](docs/results/{path.replace('.json', '.md')})). The main job "
+            f"(`hf-tangent calibrate --recipe offline_default`) prints the same table on {main['eval_windows']} windows of "
+            f"{main['seq_len']} tokens from the start of Emma ([its report](docs/results/offline_default_smollm2.md)): "
+            f"other windows, so other numbers:\n\n")
 
     def ppl(x):
         return f"{x:.4g}" if x < 1e5 else f"{x:.1e}".replace("e+0", "e").replace("e+", "e")

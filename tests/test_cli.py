@@ -3,8 +3,10 @@
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +151,81 @@ def test_help_is_for_users_and_prints_each_default_once(command, capsys):
         assert appended <= 1 and "(default: None)" not in text, text
         if appended:
             assert len(re.findall(r"\bdefault", text, re.I)) == 1, f"default printed twice: {text}"
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def _sections(out: str) -> list[tuple[str, list[str]]]:
+    """(group title, its options' first flags) in the order the help prints them."""
+    sections = []
+    for chunk in re.split(r"\n\n(?=\S[^\n]*:\n)", out):
+        title, _, body = chunk.partition(":\n")
+        flags = re.findall(r"^  (--?[\w-]+)", body, re.M)
+        if flags:
+            sections.append((title.strip().splitlines()[-1], flags))
+    return sections
+
+
+@pytest.mark.parametrize("command", ["calibrate", "finetune", "heal", "eval", "lm-eval", "diagnose"])
+def test_help_puts_the_recipe_model_and_output_first_and_the_trainer_last(command, capsys):
+    """The options a user needs first come first (`calibrate --help` was 655 lines with --recipe last, after
+    ~120 lines of usage and every TrainingArguments field): the usage line names only those three, the Trainer's
+    options form the last group, the ones hf_tangent sets itself at its head."""
+    out = _help([command], capsys)
+    usage = out.split("\n\n", 1)[0]
+    assert usage == f"usage: hf-tangent {command} [-h] [--recipe RECIPE] [--model MODEL] [--output_dir OUTPUT_DIR] [options]" \
+        or usage.startswith(f"usage: hf-tangent {command} [-h] [--recipe RECIPE] [--model MODEL]"), usage
+    sections = _sections(out)
+    titles = [title for title, _ in sections]
+    assert titles[:3] == ["options", "the run", f"{command} options"], titles
+    assert sections[1][1][:2] == ["--recipe", "--model"] and sections[1][1][2] in ("--output_dir", "--output-dir")
+    if command in ("calibrate", "finetune", "heal"):
+        assert titles[-1].startswith("Trainer options"), titles
+        trainer = sections[-1][1]
+        assert trainer[:3] == ["--max_steps", "--learning_rate", "--lr_scheduler_type"], trainer[:5]
+        assert trainer.index("--resume_from_checkpoint") < trainer.index("--per_device_train_batch_size")
+
+
+def test_a_no_option_says_what_it_turns_off_and_resume_names_last(capsys):
+    """--no_save_patch had --save_patch's own help ("write the calibrated gates ...", default: False); the
+    Trainer's --resume_from_checkpoint did not mention `last`, which hf_tangent accepts."""
+    out = _help(["calibrate"], capsys)
+    chunks = {chunk.split()[0].rstrip(","): " ".join(chunk.split()) for chunk in re.split(r"\n  (?=-)", out)[1:]}
+    assert chunks["--no_save_patch"] == "--no_save_patch, --no-save-patch the opposite of --save_patch: turn it off"
+    resume = chunks["--resume_from_checkpoint"]
+    assert "`last` (the newest complete checkpoint in" in resume and "Not directly used by Trainer" not in resume
+
+
+@pytest.mark.parametrize("command,recipe", [("calibrate", "offline_default"), ("calibrate", "calibrate"),
+                                            ("heal", "heal_default"), ("finetune", "finetune_lora")])
+def test_help_says_what_each_shipped_recipe_sets_and_shows_its_values(command, recipe, capsys):
+    """The command's defaults are not the main job's (calibrate: seq_len 512 against the main job's 256, 50 steps
+    against 60, ...) and the help did not say so. Now the plain help lists, for each shipped recipe, every value
+    it sets that differs from the default shown (read here from the YAML itself), and `--recipe NAME --help`
+    prints the recipe's values in place of the defaults, marked as the recipe's."""
+    import yaml
+
+    values = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml").read_text())
+    values.pop("command")
+    plain = " ".join(_help([command], capsys).split())
+    line = plain.split(f"--recipe {recipe}", 1)[1].split(" sets ", 1)[1].split(". ", 1)[0]
+    parser = cli.build_parser()[1][command]
+    defaults = {a.dest: a.default for a in parser._actions}
+    for key, value in values.items():
+        shown = " ".join(shlex.quote(str(v)) for v in value) if isinstance(value, list) else str(value)
+        if key != "output_dir" and defaults[key] != value:
+            assert f"--{key} {shown}" in line, (key, line)
+        elif key != "output_dir":
+            assert f"--{key} " not in line + " ", (key, line)
+    with_recipe = _help([command, "--recipe", recipe], capsys)
+    assert f"Defaults shown: recipe {recipe}'s values where it sets them" in " ".join(with_recipe.split())
+    chunks = {chunk.split()[0].rstrip(","): " ".join(chunk.split()) for chunk in re.split(r"\n  (?=-)", with_recipe)[1:]}
+    for key, value in values.items():
+        option = chunks[next(a for a in parser._actions if a.dest == key).option_strings[0]]
+        assert f"(recipe {recipe}: {value})" in option, (key, option)
+        assert "(default:" not in option, option

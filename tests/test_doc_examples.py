@@ -4,16 +4,16 @@ command lines of bash blocks), offline and fast:
 - `smollm2-135m` is a tiny random Llama (12 layers) with the real SmolLM2 tokenizer, and runs are
   scaled down (SCALE: at most 2 optimizer steps, 1 window of at most 16 tokens, 4 lm-eval items per
   task); the calls are the blocks' own, with their own arguments;
-- the Hub is a local cache: `push_patch` / `push_to_hub` "upload" into it and `from_pretrained` of a
-  repo id reads it back (huggingface_hub's own offline cache layout), so push-and-load blocks run;
-- a line that needs the network says what runs instead with a trailing `# offline: CODE` comment
-  (the Quick start's `from_pretrained("EleutherAI/pythia-160m")`): the test runs CODE;
+- a line that needs the Hub says what to run offline with a trailing `# offline: CODE` comment (or
+  `# what it does; offline: CODE`): the Quick start's `from_pretrained("EleutherAI/pythia-160m")`,
+  `push_patch`, `from_pretrained("user/...")`. The test runs CODE, with no Hub of any kind (the suite
+  is offline: a line that reaches for the Hub fails); test_the_hub_lines_as_written_end_in_the_hub_error
+  runs each hf_tangent line as written and gets hf_tangent's error naming the Hub and what to do offline;
 - blocks that are fragments find the names they use ready: `model`, `tokenizer` (the tiny model,
   unpatched), `windows`, `calibration_windows`, `eval_windows`, `input_ids`, `trainer`, the numbers
   of `window_nll_sums` / `window_token_counts`, `ht`, `hf_tangent`, `torch`, `AutoModelForCausalLM`,
   and the files a reader would have: `emma.txt`, `prideprejudice.txt`, a patch repo `healed-patch`,
-  a complete folder pushed as `user/repo`, a local copy of the base at `/mirror/SmolLM2-135M`
-  (STANDS_FOR);
+  a complete folder `my-folder`, a local copy of the base at `/mirror/SmolLM2-135M` (STANDS_FOR);
 - a block that is not meant to run starts with `# not run: REASON` (python) and says why.
 
 Command lines (`hf-tangent ...`, `... -m hf_tangent.cli ...`) go through the command's own parser
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```", re.S | re.M)
-OFFLINE = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s+#\s*offline:\s*(?P<instead>.+)$")
+OFFLINE = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s+#(?:[^#\n]*;)?\s*offline:\s*(?P<instead>.+)$")
 NOT_RUN = re.compile(r"^\s*#\s*not run:\s*\S")
 MIRROR = "/mirror/SmolLM2-135M"
 
@@ -60,11 +60,9 @@ def offline(code: str) -> str:
 # ----------------------------------------------------------------------------- python blocks
 @pytest.fixture(scope="module")
 def docs_world(tmp_path_factory):
-    """The tiny offline model, a local Hub, the reader's files; yields a function that builds a
-    fresh namespace of the names fragments use."""
-    import huggingface_hub
+    """The tiny offline model, the reader's files; yields a function that builds a fresh namespace of
+    the names fragments use."""
     from conftest import tiny_smollm2_llama
-    from huggingface_hub import constants
 
     import hf_tangent as ht
     import hf_tangent.experiments as experiments
@@ -76,26 +74,12 @@ def docs_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_world")
     base = root / "smollm2-tiny"
     tiny_smollm2_llama(base, layers=12)  # parallel.md converts 12
-    hub, work = root / "hub", root / "work"
-    hub.mkdir()
+    work = root / "work"
     work.mkdir()
     for name in ("emma.txt", "prideprejudice.txt"):
         shutil.copy(austen / name, work / name)
-    revision = "0" * 40
-
-    def upload_folder(self, *, repo_id, folder_path, **kwargs):
-        repo = hub / f"models--{repo_id.replace('/', '--')}"
-        shutil.rmtree(repo / "snapshots" / revision, ignore_errors=True)
-        shutil.copytree(folder_path, repo / "snapshots" / revision)
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / "main").write_text(revision)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(constants, "HF_HUB_CACHE", str(hub))
-        mp.setattr(constants, "HF_HUB_OFFLINE", True)
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: None)
-        mp.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
         mp.setattr(models, "offline_folder", lambda name: base)
         mp.setattr(checkpoints, "offline_folder", lambda name: base)  # what load_offline reads
         mp.setenv("HF_TANGENT_AUSTEN_DIR", str(austen))
@@ -103,7 +87,7 @@ def docs_world(tmp_path_factory):
 
         model, tokenizer = ht.load_model("smollm2-135m")
         ht.save_patch(ht.patch(model, ht.TangentConfig(update="projected", gates=True)), work / "healed-patch")
-        ht.push_to_hub(model, "user/repo", tokenizer=tokenizer)
+        ht.save_hub_folder(model, work / "my-folder", tokenizer=tokenizer)
         stands_for = {MIRROR: str(base)}
 
         def namespace() -> dict:
@@ -178,8 +162,50 @@ def test_python_block_runs(docs_world, page, line, code):
     exec(compile(code, f"{page}:{line}", "exec"), namespace())  # noqa: S102
 
 
+HUB_CALL = re.compile(r"\b(ht|hf_tangent)\.(push_patch|push_to_hub|from_pretrained|load_model)\(")
+
+
+def hub_lines() -> list[tuple[str, int, str, int]]:
+    """(page, block line, block, index of the line) for every `# offline:` line that calls hf_tangent's Hub API."""
+    found = []
+    for page, line, code in PYTHON:
+        for i, text in enumerate(code.splitlines()):
+            m = OFFLINE.match(text)
+            if m and HUB_CALL.search(m.group("code")):
+                found.append((page, line, code, i))
+    return found
+
+
+HUB_LINES = hub_lines()
+
+
+@pytest.mark.parametrize("page,line,code,index", HUB_LINES, ids=[f"{p}:{n + i + 1}" for p, n, _, i in HUB_LINES])
+def test_the_hub_lines_as_written_end_in_the_hub_error(docs_world, page, line, code, index):
+    """Offline, the line as written (after the block's lines before it, with their offline code) ends in
+    hf_tangent's error that names the Hub and says what to do offline, not in huggingface_hub's or
+    httpx's own error (before: httpx.ConnectError from push_patch)."""
+    from hf_tangent.artifacts.offline import HubUnavailableError
+
+    namespace, stands_for = docs_world
+    lines = code.splitlines()
+    before = offline("\n".join(lines[:index])) if index else ""
+    as_written = OFFLINE.match(lines[index]).group("code").strip()
+    for text, instead in stands_for.items():
+        before, as_written = before.replace(text, instead), as_written.replace(text, instead)
+    names = namespace()
+    exec(compile(before, f"{page}:{line}", "exec"), names)  # noqa: S102
+    with pytest.raises(HubUnavailableError, match=r"needs the Hugging Face Hub \(https://huggingface.co\), which cannot "
+                       r"be reached from here \(HF_HUB_OFFLINE is set\)\. Offline: "):
+        exec(compile(as_written, f"{page}:{line + index + 1}", "exec"), names)  # noqa: S102
+
+
 def test_blocks_are_found_and_markers_are_well_formed():
     assert len(PYTHON) >= 10 and any(p == "README.md" for p, _, _ in PYTHON)
+    assert {p for p, _, _, _ in HUB_LINES} == {"README.md", "docs/recipes.md"} and len(HUB_LINES) >= 5
+    for page, line, code in PYTHON:  # every hf_tangent Hub call of a block says what to do offline
+        for i, text in enumerate(code.splitlines()):
+            if HUB_CALL.search(text) and re.search(r"\(\s*[\"'][\w.-]+/[\w.-]+[\"']", text.split("#")[0]):
+                assert OFFLINE.match(text), f"{page}:{line + i + 1}: a Hub id without an `# offline:` alternative: {text}"
     for page, line, code in PYTHON:
         for text in code.splitlines():
             if "offline:" in text:

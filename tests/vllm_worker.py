@@ -2,7 +2,8 @@
 python tests/vllm_worker.py FOLDER OUT.json [trust] [transformers] [bfloat16] [compile]. Run in an environment
 with vLLM. `compile` serves with vLLM's compilation on (its CPU default: dynamo traced once, inductor).
 
-python tests/vllm_worker.py --loop: one process for many folders (vLLM's import, most of a serve's time, paid
+The worker keeps vLLM's engine inside its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set in main() only: importing
+this module changes nothing). python tests/vllm_worker.py --loop: one process for many folders (vLLM's import, most of a serve's time, paid
 once): reads lines `{"folder": ..., "out": ..., "flags": [...]}` from stdin, serves each folder with an engine
 of its own (released before the next) and answers each line with the line DONE once the output is written
 (vLLM's own log lines go to stdout too)."""
@@ -12,8 +13,6 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome, clever, and rich,",
            "The family of Dashwood had long been settled in"]
 TOKENS = 32
@@ -44,6 +43,10 @@ def serve(folder: str, out: str, flags: list[str]) -> None:
 
 
 def main():
+    # this worker only (tests/test_vllm.py imports PROMPTS from it, and runs lm-eval through vLLM in its own process
+    # as users do): the engine in this process, so that one process serves folder after folder, and a small cache
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if sys.argv[1:] == ["--loop"]:
         for line in sys.stdin:
             request = json.loads(line)

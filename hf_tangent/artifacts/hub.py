@@ -27,6 +27,7 @@ from ..core.destinations import REMOTE_GENERATED_FILES, check_destination, core_
 from ..core.patching import CONFIG_KEY, get_config, register_patched_format
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from ..core.wrappers import full_state_dict, model_class, unwrap
+from .offline import needs_hub
 from .serialization import save_pretrained
 
 CORE_PACKAGE = "hf_tangent.core"  # the package whose modules ship as remote code
@@ -216,5 +217,6 @@ def upload(model_or_folder, repo_id: str, marker: str, not_a_folder: str, save, 
                 raise ValueError(not_a_folder.format(folder=folder) + f" (no {marker}).")
         else:
             folder = save(model_or_folder, tmp)
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message)
+        with needs_hub(f"pushing to the Hub repo {repo_id!r}", "push"):
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message)

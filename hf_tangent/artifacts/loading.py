@@ -7,6 +7,7 @@ import logging
 import os
 
 from ..core.destinations import recover
+from .offline import needs_hub
 from .patch_repo import is_patch_repo, load_patch, read_record
 from .serialization import load_patched_folder
 
@@ -34,6 +35,14 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
             recover(path, writer="hf_tangent.from_pretrained")
         except OSError as err:  # a folder we may not write: read what is there
             logger.warning("hf_tangent.from_pretrained: could not finish an interrupted save of %s (%s).", path, err)
+    with needs_hub(f"ht.from_pretrained({str(path)!r})", "load"):  # a hub id, or a patch repo's base by id
+        return _from_pretrained(path, model_class=model_class, base_model=base_model, base_revision=base_revision,
+                                merge=merge, skip_base_check=skip_base_check,
+                                base_trust_remote_code=base_trust_remote_code, **kwargs)
+
+
+def _from_pretrained(path, *, model_class, base_model, base_revision, merge, skip_base_check, base_trust_remote_code,
+                     **kwargs):
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     if is_patch_repo(path, **hub_kwargs):
         if model_class is not None:
@@ -42,6 +51,10 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
         return load_patch(path, base_model=base_model, base_revision=base_revision, merge=merge,
                           skip_base_check=skip_base_check, base_trust_remote_code=base_trust_remote_code, **kwargs)
     if base_model is not None or base_revision is not None or merge or skip_base_check or base_trust_remote_code:
+        if not os.path.isdir(str(path)):  # a hub id: that it holds no patch record may only mean the Hub is not reached
+            from transformers.utils import cached_file
+
+            cached_file(str(path), "config.json", **hub_kwargs)  # offline: the Hub's error (needs_hub) before ours
         raise ValueError(f"hf_tangent.from_pretrained: base_model=, base_revision=, merge=, skip_base_check= and "
                          f"base_trust_remote_code= apply to patch repos; {path!s} is a full model folder (its weights "
                          "are in it).")

@@ -22,6 +22,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: the names users and reci
     smollm2_folder,
 )
 from .loading import from_pretrained, is_patch_repo, read_record
+from .offline import needs_hub
 
 
 def _is_patched_folder(name: str) -> bool:
@@ -55,7 +56,8 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
                 AutoModelForCausalLM.from_pretrained(name, **kwargs)
         else:
             try:
-                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+                with needs_hub(f"the model {name!r} (not an offline name nor a local folder: a hub id)", "load"):
+                    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             except OSError as err:
                 raise RuntimeError(
                     f"hf_tangent: could not load model '{name}': it is not an offline name "

@@ -37,6 +37,7 @@ from ..core.wrappers import peft_model_of, sharding_engine, unwrap
 from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import save_hub_folder, upload
+from .offline import hub_error, unreachable
 from .serialization import _check_record, transformers_class
 
 RECORD_FILE = "hf_tangent_patch.json"
@@ -267,6 +268,9 @@ def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None
     except (OSError, ValueError) as err:
         if not required:
             return None
+        reason = unreachable(err)
+        if reason is not None:  # a hub id: the Hub is not reached, not a damaged repo
+            raise hub_error(f"reading the patch repo {str(path)!r}", "load", reason) from err
         raise PatchRepoError(f"hf_tangent: {path!s}: {name} could not be read ({err}).") from err
     if found is not None and not os.path.isfile(found):
         raise PatchRepoError(f"hf_tangent: {path!s}: {name} is not a file ({found}).")

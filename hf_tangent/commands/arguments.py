@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import re
+import textwrap
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -272,6 +273,10 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: str, command: str) -> 
         optional = dest in options and matches(None, options[dest].hint)
         defaults[dest] = _check_value(actions[dest], str(key), value, str(path), accepted.get(dest), optional)
     parser.set_defaults(**defaults)
+    parser.applied_recipe = path.stem if path.parent.name == "recipes" else str(path)
+    for action in parser._actions:  # the help marks what the recipe set
+        if action.dest in defaults:
+            action.recipe = parser.applied_recipe
 
 
 def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
@@ -289,17 +294,107 @@ def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
 
 
 DEFAULT_WORD = re.compile(r"\bdefault(s|ed)?\b", re.I)
+FIRST = ("recipe", "model", "output_dir")  # what a user needs first: the recipe, the model, where the output goes
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default printed once: appended as "(default: X)" unless the help text already
-    says what the default is, and never as "(default: None)" (the help says what no value means)."""
+    says what the default is, and never as "(default: None)" (the help says what no value means); a
+    value a --recipe set is printed as "(recipe NAME: X)"."""
 
     def _get_help_string(self, action):
         text = action.help or ""
+        recipe = getattr(action, "recipe", None)
+        if recipe is not None:
+            return f"{text} (recipe {recipe}: {action.default})"
         if DEFAULT_WORD.search(text) or action.default is None or action.default is argparse.SUPPRESS:
             return text
+        if isinstance(action, argparse._StoreFalseAction) and action.option_strings[0].startswith("--no"):
+            return text  # --no_X: its own help says what it turns off
         return super()._get_help_string(action)
+
+
+def _arrange(sub, name: str, dataclass_types, func) -> None:
+    """The help in the order a user reads it: the recipe, the model and the output first; then the command's own
+    options, then the shared ones (text, dtype, device); the Trainer's (transformers.TrainingArguments) last,
+    those hf_tangent gives its own default first. A --no_X option says what it turns off. The usage line names
+    the first three only."""
+    from transformers import TrainingArguments
+
+    trainer_kinds = [k for k in dataclass_types if issubclass(k, TrainingArguments)]
+    trainer_fields = {f.name for k in trainer_kinds for f in dataclasses.fields(k)}
+    ours = {name for k in trainer_kinds for c in k.__mro__ if issubclass(c, TrainingArguments) and c is not TrainingArguments
+            for name in vars(c).get("__annotations__", {})}  # the fields hf_tangent declares again: its defaults, its help
+    own_fields = [f.name for k in dataclass_types if k not in trainer_kinds and k.__module__ == func.__module__
+                  for f in dataclasses.fields(k)]
+    for action in sub._actions:
+        if isinstance(action, argparse._StoreFalseAction) and action.option_strings[0].startswith("--no"):
+            action.help = f"the opposite of --{action.dest}: turn it off"
+    named = [a for a in sub._actions if a.option_strings and a.dest not in ("help",)]
+
+    def rank(action) -> tuple:
+        if action.dest in FIRST:
+            return (0, FIRST.index(action.dest))
+        if action.dest in trainer_fields:
+            return (3, 0 if action.dest in ours else 1)
+        return (1 if action.dest in own_fields else 2, 0)
+
+    titles = {0: "the run", 1: f"{name} options", 2: "shared options (text, model dtype, device)",
+              3: "Trainer options (transformers.TrainingArguments; the ones hf_tangent sets itself first)"}
+    groups = {}
+    for action in sorted(named, key=rank):  # sorted is stable: the dataclass order within a rank
+        key = rank(action)[0]
+        if key not in groups:
+            groups[key] = sub.add_argument_group(titles[key])
+        for group in sub._action_groups:
+            if action in group._group_actions and group is not groups[key]:
+                group._group_actions.remove(action)
+        groups[key]._group_actions.append(action)
+    new = [groups[k] for k in sorted(groups)]
+    sub._action_groups = [g for g in sub._action_groups if g not in new and g._group_actions] + new
+    shown = " ".join(f"[{a.option_strings[0]} {a.metavar or a.dest.upper()}]" for a in sorted(named, key=rank)
+                     if a.dest in FIRST)
+    sub.usage = f"hf-tangent {name} [-h] {shown} [options]".replace("  ", " ")
+
+
+def _recipes_for(command: str) -> list[tuple[str, dict]]:
+    """The shipped recipes for `command`, with their values (name, {option: value})."""
+    import yaml
+
+    found = []
+    for path in sorted(resources.files("hf_tangent.recipes").iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".yaml"):
+            continue
+        try:
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            continue
+        if isinstance(values, dict) and values.pop("command", None) == command:
+            found.append((path.name[:-5], {str(k).replace("-", "_"): v for k, v in values.items()}))
+    return found
+
+
+def _defaults_text(sub, command: str) -> str:
+    """What the defaults shown are, and, for each shipped recipe of the command, the values it sets that differ
+    from them (so a reader sees where the main job's numbers come from)."""
+    applied = getattr(sub, "applied_recipe", None)
+    if applied is not None:
+        return textwrap.fill(f"Defaults shown: recipe {applied}'s values where it sets them (marked \"recipe {applied}\"), "
+                             "the command's own elsewhere.", 100)
+    import shlex
+
+    def shown(value) -> str:
+        return " ".join(shlex.quote(str(v)) for v in value) if isinstance(value, list) else str(value)
+
+    defaults = {a.dest: a.default for a in sub._actions}
+    lines = ["Defaults shown: the command's own, without a recipe."]
+    for name, values in _recipes_for(command):
+        differ = [f"--{k} {shown(v)}" for k, v in values.items() if k in defaults and defaults[k] != v and k != "output_dir"]
+        main = " (the README's main job)" if name == "offline_default" else ""
+        lines.append(f"--recipe {name}{main} sets " + (", ".join(differ) if differ else "the defaults") + ".")
+    if len(lines) > 1:
+        lines.append(f"`hf-tangent {command} --recipe NAME --help` shows a recipe's values as the defaults.")
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
 
 
 def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True):
@@ -318,4 +413,13 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=in_run_folder(func), parser=sub)  # the recipe and its report: one run of --output_dir
+    _arrange(sub, name, dataclass_types, func)
+    if recipe:
+        format_help = sub.format_help
+
+        def with_defaults():  # the recipes are read when the help is shown, not on every start
+            sub.description = f"{textwrap.fill(help, 100)}\n\n{_defaults_text(sub, name)}"
+            return format_help()
+
+        sub.format_help = with_defaults
     return sub

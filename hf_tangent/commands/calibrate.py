@@ -24,7 +24,7 @@ from .arguments import (
 
 @dataclass
 class CalibrateArguments(Checked):
-    update: str = field(default="add", metadata={"help": "update rule the gates scale (default add: x + g_l * FFN)"})
+    update: str = field(default="add", metadata={"help": "update rule the gates scale (add: x + g_l * FFN)"})
     layers: list[int] | None = field(default=None, metadata={"help": "layers to gate (default all)"})
     compare_updates: list[str] = field(default_factory=list, metadata={
         "help": "also evaluate these update variants, untrained, on the held-out text: " + "; ".join(update_variants()),

@@ -17,14 +17,17 @@ from ..analysis.evaluation import update_variants
 from ..analysis.stats import bootstrap_interval, strata_mean
 from ..artifacts.identity import scored_weights
 from ..artifacts.loading import from_pretrained
+from ..artifacts.offline import hub_error, unreachable
 from ..artifacts.patch_repo import is_patch_repo, read_record
 from ..core.patching import get_config, patch, without_patch
 from ..integrations.harness.run import (
     BACKENDS,
     PAIRED_METRICS,
     evaluate,
+    model_context,
     require_lm_eval,
     require_vllm,
+    rolling_tasks,
     task_manager,
     vllm_lm,
 )
@@ -83,9 +86,11 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
     _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
+    _check_contexts(model, tokenizer, model_folders, rolling_tasks(manager, list(tasks)))
     weights, folder_weights = scored_weights(model), {}  # the base variants' weights; each folder's as loaded
     if backend == "vllm":
         _check_served(model)
+        _check_vllm_context(model, tokenizer, manager, tasks, vllm_args)
     scratch = tempfile.TemporaryDirectory(prefix="hf_tangent_vllm_") if backend == "vllm" else None
     clock = Clock()
     runs, seconds = {}, {}
@@ -140,6 +145,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         "num_fewshot": num_fewshot, "limit": limit, "include_path": include_path, "bootstrap": bootstrap,
         "task_source": {t: "hf_tangent: held-out Austen novels (in-domain for the calibration / healing text), "
                            f"task files version {TASK_VERSION}" for t in tasks if t in TASKS},
+        "rolling_window": {label: r["rolling_window"] for label, r in runs.items()},
         "results": {label: r["results"] for label, r in runs.items()},
         "n_samples": {label: r["n_samples"] for label, r in runs.items()},
         "paired": paired, "groups": runs["unpatched"]["groups"],
@@ -219,6 +225,44 @@ def _check_served(model) -> None:
                          "passed in); use backend='hf'.")
 
 
+def _check_vllm_context(model, tokenizer, manager, tasks, vllm_args: dict) -> None:
+    """backend="vllm": a perplexity task (rolling windows) is scored in windows of the model's own context, as
+    backend="hf" scores it; a max_model_len (or max_length) below it would score other windows, so other
+    numbers under the same task name: refused before any variant is scored."""
+    served = vllm_args.get("max_model_len", vllm_args.get("max_length"))
+    if served is None:  # vLLM serves the folder's own context, which is the one HFLM reads
+        return
+    rolling = rolling_tasks(manager, list(tasks))
+    own = model_context(model, tokenizer)
+    if rolling and int(served) < own:
+        raise ValueError(
+            f"hf_tangent.lm_eval: backend='vllm' with max_model_len={served} would score {', '.join(rolling)} (lm-eval's "
+            f"perplexity: rolling windows of the context) in windows of {int(served) - 2} tokens, where backend='hf' "
+            f"scores windows of the model's context, {own} tokens: other requests, other numbers under the same name. "
+            f"Leave max_model_len out of vllm_args (vLLM then serves the model's {own} tokens, in windows of {own - 2}: "
+            f"lm-eval's VLLM keeps two tokens free), or score {', '.join(rolling)} with backend='hf'.")
+
+
+def _check_contexts(model, tokenizer, model_folders, rolling: list[str]) -> None:
+    """A perplexity task pairs documents scored in rolling windows of the context: a saved complete folder whose
+    config gives another context than the model's would be compared on other windows; refused up front (a patch
+    repo's base is the model's own, checked by its record)."""
+    if not rolling:
+        return
+    own = model_context(model, tokenizer)
+    for folder in model_folders:
+        if is_patch_repo(folder):
+            continue
+        config = _config_json(folder) or {}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        theirs = next((text[k] for k in ("n_positions", "max_position_embeddings", "n_ctx") if isinstance(text.get(k), int)),
+                      None)
+        if theirs is not None and theirs != own:
+            raise ValueError(f"hf_tangent.lm_eval: model_folders entry {str(folder)!r} has a context of {theirs} tokens and "
+                             f"the model {own}: {', '.join(rolling)} (rolling windows of the context) would pair other "
+                             "windows; accepted: folders of the same base, or those tasks left out.")
+
+
 def _complete_folder(model, tokenizer, folder: str) -> str:
     """`model` as vLLM serves it: a complete folder (patched: hf_tangent's format, which the plugin serves
     patched or refuses; unpatched: transformers' own), with the tokenizer."""
@@ -275,6 +319,9 @@ def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
                     raise ValueError("it has no config.json")
                 vocab = _vocab_size(config)
         except (OSError, ValueError) as err:
+            reason = unreachable(err)
+            if reason is not None:  # a hub id where the Hub is not reached: say that, not "not a folder"
+                raise hub_error(f"the model_folders entry {str(folder)!r}", "load", reason) from err
             raise ValueError(f"{where} is neither a patch repo nor a saved model folder ({err}); accepted: folders "
                              "written by hf_tangent.save_patch or save_pretrained, or their hub ids.") from None
         if vocab is not None and vocab < needed:
@@ -537,8 +584,15 @@ def report_tasks(report: dict) -> list[str]:
 
 
 def lm_eval_markdown(report: dict) -> str:
+    where = ("on the model in memory" if report.get("backend", "hf") == "hf" else
+             f"through vLLM (lm-eval's VLLM model; every variant written as a complete folder and served by vLLM with "
+             f"hf_tangent's plugin; vllm_args {report.get('vllm_args') or {}})")
+    windows = sorted({c for c in (report.get("rolling_window") or {}).values() if c is not None})
+    context = (f"; a perplexity task in rolling windows of {windows[0]} tokens" if len(windows) == 1 else
+               "; a perplexity task's rolling windows per variant: "
+               + ", ".join(f"{v} {c} tokens" for v, c in report["rolling_window"].items()) if windows else "")
     lines = [f"# hf-tangent lm-eval: {report['model']}", "",
-             f"EleutherAI's LM Evaluation Harness on the model in memory; {limit_text(report)}, "
+             f"EleutherAI's LM Evaluation Harness {where}{context}; {limit_text(report)}, "
              f"{report['num_fewshot'] or 0}-shot; paired differences against `unpatched` over the same documents, 95% "
              f"paired bootstrap interval ({report['bootstrap']} resamples; bits_per_byte and word_nll, nats per word, "
              f"as ratios of sums over the documents); {report['seconds']} s"
@@ -551,6 +605,9 @@ def lm_eval_markdown(report: dict) -> str:
                   + (f" — a group of {len(group)} subtasks, paired over all their documents" if group else ""), ""]
         metrics = sorted({k for r in report["results"].values() for k in r.get(task, {}) if "stderr" not in k
                           and k != "sample_len"})
+        if windows and any(m.startswith(("bits_per_byte", "word_perplexity")) for m in metrics):
+            lines += [f"Rolling windows of {', '.join(map(str, windows))} tokens ({_backend_windows(report)}); paired "
+                      "only within this report (`lm-eval-merge` refuses parts of another backend).", ""]
         paired = [m for m in PAIRED_SHOWN if any(m in p.get(task, {}) for p in report["paired"].values())]
         header = ["variant", *metrics, *[f"delta {m} vs unpatched [95% CI]" for m in paired]]
         lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
@@ -571,6 +628,12 @@ def lm_eval_markdown(report: dict) -> str:
         lines += ["", f"No paired differences for `{task}`: {why}."]
     lines += ["", "![paired differences](lm_eval_differences.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _backend_windows(report: dict) -> str:
+    if report.get("backend", "hf") == "vllm":
+        return "lm-eval's VLLM: the served max_model_len less two tokens"
+    return "lm-eval's HFLM: the model's context"
 
 
 def _plot_lm_eval(data, folder):

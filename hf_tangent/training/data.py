@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from ..artifacts.offline import HubUnavailableError, needs_hub
 from ..ranges import check_ranges
 from .corpora import DOMAINS, mixed_documents, package_versions
 from .corpora.austen import (  # noqa: F401  (the names this module has always had)
@@ -43,8 +44,11 @@ def load_documents(text_files: Sequence[str] | None = None, dataset: str | None 
     if dataset:
         path, name, column = HUB_DATASETS.get(dataset, (dataset, None, text_column or "text"))
         try:
-            ds = datasets.load_dataset(path, name, split=dataset_split)
-        except Exception as err:  # offline, unknown name, or no such split: say which
+            with needs_hub(f"the dataset {dataset!r} (a hub dataset)", "dataset"):
+                ds = datasets.load_dataset(path, name, split=dataset_split)
+        except HubUnavailableError:
+            raise
+        except Exception as err:  # an unknown name, or no such split: say which
             raise ValueError(
                 f"could not load dataset {dataset!r} (split {dataset_split!r}): {err}. Short names: "
                 f"{', '.join(HUB_DATASETS)}; without a network use --text-files."

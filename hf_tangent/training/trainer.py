@@ -91,6 +91,9 @@ class TangentTrainingArguments(_transformers_training_arguments()):
     report_to: str | None = dataclasses.field(default="none", metadata={"help": "Logging backend: none, tensorboard, wandb."})
     dataloader_drop_last: bool = dataclasses.field(default=True, metadata={"help": "Full batches only."})
     remove_unused_columns: bool = dataclasses.field(default=False, metadata={"help": "Keep the packed LM columns."})
+    resume_from_checkpoint: str | None = dataclasses.field(default=None, metadata={
+        "help": "Resume training from a checkpoint: a checkpoint-N folder, or `last` (the newest complete checkpoint in "
+                "--output_dir; a run saves them with --save_steps). Default: start from step 0."})
 
     # every numeric field, the Trainer's own too (finite unless said; a fraction < 1 of max_steps where
     # the Trainer reads one): refused here, before the Trainer or a model sees them

@@ -94,10 +94,34 @@ def _vllm_version_from_the_module():
         importlib.metadata.version = own
 
 
+def rolling_tasks(manager, tasks) -> list[str]:
+    """The requested tasks that are, or whose group holds, lm-eval perplexity tasks (output_type
+    loglikelihood_rolling: scored in rolling windows of the model's context), as their YAML in the index says."""
+    def rolling(name, seen=()) -> bool:
+        entry = manager.task_index.get(name) if isinstance(name, str) and name not in seen else None
+        cfg = getattr(entry, "cfg", None) or {}
+        if cfg.get("output_type") == "loglikelihood_rolling":
+            return True
+        members = cfg.get("task") if isinstance(cfg.get("task"), list) else []
+        return any(rolling(m, (*seen, name)) for m in members)
+
+    return [task for task in tasks if rolling(task)]
+
+
+def model_context(model, tokenizer) -> int:
+    """The context lm-eval's HFLM scores this model with (its max_length: the config's positions, else the
+    tokenizer's, else lm-eval's default): the length of a perplexity task's rolling windows."""
+    from lm_eval.models.utils import resolve_max_length
+
+    return int(resolve_max_length(model.config, tokenizer))
+
+
 def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
              batch_size: int = 1, seed: int = 0, bootstrap_iters: int = 1000) -> dict:
     """lm_eval.simple_evaluate on an HFLM wrapping the model object (or on `model` itself when it is already an
-    lm-eval model, such as `vllm_lm`'s): {"results": the metrics as lm-eval
+    lm-eval model, such as `vllm_lm`'s): {"rolling_window": the tokens per rolling window of a perplexity task as
+    lm-eval built them (HFLM: its max_length, the model's context; VLLM: max_length - 2, one token of context and
+    one of generation kept free: the two backends never score the same windows), "results": the metrics as lm-eval
     names them per task (a group's subtasks included), "samples": {task: {doc_id: {metric: value}}}
     per leaf task (a group's per-sample outputs are its subtasks'), for the paired metrics (acc,
     acc_norm) and a rolling task's log-likelihood with its words and bytes, "groups": {group: its leaf
@@ -131,7 +155,14 @@ def evaluate(model, tokenizer, tasks: list[str], manager, *, num_fewshot: int | 
                     values["words" if m == "word_perplexity" else "bytes"] = float(count)
             samples[leaf][int(sample["doc_id"])] = values
     return {"results": results, "samples": samples, "n_samples": out.get("n-samples", {}),
-            "groups": {task: names for task, names in leaves.items() if names != [task]}}
+            "groups": {task: names for task, names in leaves.items() if names != [task]},
+            "rolling_window": rolling_window(lm)}
+
+
+def rolling_window(lm) -> int:
+    """Tokens per rolling window of a perplexity task, as this lm-eval model builds them (lm-eval 0.4.13:
+    HFLM.loglikelihood_rolling uses max_seq_len=max_length, VLLM's max_length - 2)."""
+    return int(lm.max_length) - (2 if type(lm).__name__ == "VLLM" else 0)
 
 
 def _descendants(task: str, groups: dict) -> list[str]:

@@ -6,6 +6,8 @@ family names an architecture vLLM does not know, and vLLM refuses it."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from ...core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX
@@ -21,13 +23,23 @@ SUPPORTED = {"llama": ("LlamaConfig", "LlamaForCausalLM", "models"),
              "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "transformers_backend")}
 
 
+@functools.cache
 def config_class(base_type: str):
-    """The config class of a patched folder of this family (what its remote code defines)."""
+    """The config class of a patched folder of this family (what its remote code defines): one class per family
+    and process, found by pickle under its name in this module (vLLM sends the config to its engine process)."""
     import transformers
 
     base = getattr(transformers, SUPPORTED[base_type][0])
     return type(PATCHED_CLASS_PREFIX + base.__name__, (base,), {"model_type": PATCHED_TYPE_PREFIX + base_type,
-                                                                  BASE_TYPE_ATTR: base_type})
+                                                                  BASE_TYPE_ATTR: base_type, "__module__": __name__})
+
+
+def __getattr__(name: str):
+    """`HfTangent<Base>Config`: the config classes, made on first use (pickle looks them up here by name)."""
+    for base_type, (config_name, _, _) in SUPPORTED.items():
+        if name == PATCHED_CLASS_PREFIX + config_name:
+            return config_class(base_type)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
