@@ -21,9 +21,9 @@ import torch
 
 from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..core.destinations import DestinationError
+from ..core.options import ChoiceError, OptionTypeError
 from ..experiments.runs import claim_run_folder, in_run_folder
-from ..ranges import (TEXT_RANGES, ChoiceError, DType, Option, OptionTypeError, Range, RangeError, at_least, check_ranges,
-                      matches, options_of)
+from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
 from ..training import data
 from ..training.data import TextSource
 
