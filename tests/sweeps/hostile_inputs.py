@@ -567,7 +567,8 @@ def update_config_cases():
 def register_cases():
     names = dict(layers="model.layers", input_norm=None, attention=None, ffn_norm="post_attention_layernorm", mlp="mlp")
     for field, value in [("model_type", 123), ("model_type", ""), ("layers", None), ("ffn_norm", 3), ("mlp", ["mlp"]),
-                         ("parallel", "yes"), ("fused_ffn_in", "mlp.up_proj"), ("source", "guessed")]:
+                         ("parallel", "yes"), ("fused_ffn_in", "mlp.up_proj"), ("source", "guessed"), ("mlp", "  "),
+                         ("fused_ffn_in", ("mlp.up_proj", ""))]:
         fields = {"model_type": "hostile_type", **names, field: value}
         expect_error("register", f"{field}={value!r}", lambda f=fields: ht.register_architecture(**f),
                      f"ArchitectureSpec.{field}")
