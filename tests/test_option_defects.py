@@ -322,3 +322,24 @@ def test_tangent_layer_index_type_and_short_messages():
     assert str(info.value) == ("training_args=<TrainingArguments object> has the wrong type (TrainingArguments); "
                                "accepted: a TangentTrainingArguments, or None.")
     assert "LoraSettings" in ht.__all__ and ht.LoraSettings().r == 8
+
+
+def test_a_report_writes_numbers_of_any_kind_as_json_numbers(tmp_path):
+    """A numpy scalar in a report's data was written to report.json as a string ('0.5'), silently: written as
+    a number now (a path or a dtype still as its str)."""
+    import json
+
+    import numpy as np
+
+    from hf_tangent.experiments.report import Report
+
+    rows = [{"variant": "unpatched", "nll": np.float32(1.0), "perplexity": np.float64(2.718), "delta_nll": 0.0,
+             "delta_perplexity": 0.0, "tokens": np.int64(10), "config": None}]
+    Report("eval", {"command": "eval", "model": "m", "text": tmp_path / "t.txt", "seq_len": np.int64(8), "windows": 1,
+                    "tokens_per_variant": 10, "seconds": 0.1, "rows": rows, "unpatched_is": "the model", "device": "cpu",
+                    "dtype": "float32", "seed": 0, "threads": 1, "torch": "x", "hf_tangent_version": "x", "python": "x",
+                    "peak_rss_gb": 0.1}).save(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"]) == (8, 1.0, 10)
+    assert [type(v) for v in (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"])] == [int, float, int]
+    assert saved["text"] == str(tmp_path / "t.txt")
