@@ -152,6 +152,11 @@ def _choices(hint) -> tuple:
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
+def _same_kind(value, choice) -> bool:
+    """True is not the choice 1, nor 1.0; a str subclass (numpy's str_) is a str."""
+    return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
+
+
 def matches(value, hint) -> bool:
     """Whether `value` has the type `hint` says (unknown hints accept anything). A bool is not a
     number, a str is not a list, an int is a float."""
@@ -163,7 +168,7 @@ def matches(value, hint) -> bool:
     if union is not None:
         return any(matches(value, arg) for arg in union)
     if typing.get_origin(hint) is Literal:
-        return any(value == arg and type(value) is type(arg) for arg in typing.get_args(hint))
+        return any(value == arg and _same_kind(value, arg) for arg in typing.get_args(hint))
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -235,13 +240,15 @@ def listed(hint) -> bool:
 
 def plain(value, hint):
     """The value as it is kept: a numpy / other Integral or Real scalar (Fraction) as int / float, so
-    that reports, saved configs and torch see plain numbers; a path object as its str where a path is
-    meant. The very object when nothing changes."""
+    that reports, saved configs and torch see plain numbers; a str subclass (numpy's) as a str; a path
+    object as its str where a path is meant. The very object when nothing changes."""
     if type(value) in (list, tuple):
         items = [plain(v, hint) for v in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
     if isinstance(value, bool) or type(value) in (int, float, str) or value is None:
         return value
+    if isinstance(value, str):
+        return str(value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real) and numeric(hint):
@@ -271,7 +278,7 @@ class Option:
 
     def check(self, value, check_type: bool = True) -> None:
         if check_type and not matches(value, self.hint):
-            if any(type(choice) is type(value) for choice in _choices(self.hint)):
+            if any(_same_kind(value, choice) for choice in _choices(self.hint)):
                 raise ChoiceError(self.name, value, self.accepted)
             raise OptionTypeError(self.name, value, self.accepted, number=numeric(self.hint))
         many = isinstance(value, (list, tuple)) and listed(self.hint)
@@ -332,7 +339,4 @@ def check_fields(obj, options: dict[str, Option], *, prefix: str = "", all_types
                 setattr(obj, name, kept)
 
 
-@functools.cache
-def own_options(cls) -> dict[str, Option]:
-    """`dataclass_options` of a class that checks itself (TangentConfig), once per class."""
-    return dataclass_options(cls)
+own_options = functools.cache(dataclass_options)  # a class that checks itself (TangentConfig): once per class
