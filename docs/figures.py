@@ -646,7 +646,7 @@ def _decode_run(path: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the module table of docs/core.md
-LAYERS = ("options", "core", "artifacts", "analysis", "training", "integrations", "experiments", "commands")
+LAYERS = ("core", "options", "artifacts", "analysis", "training", "integrations", "experiments", "commands")
 COMMAND_MODULES = "commands/<name>.py"
 
 

@@ -82,11 +82,12 @@ def test_non_utf8_text_is_named(common, tmp_path, capsys):
 @pytest.mark.parametrize("recipe, message", [
     ("max_steps: [3\n", "is not valid YAML"),
     ("- just\n- a list\n", "must be a YAML mapping"),
-    ("save_patch: \"false\"\n", "key 'save_patch' must be true or false (unquoted), got 'false'"),
-    ("max_steps: three\n", "key 'max_steps' must be an integer, got 'three'"),
-    ("seq_len: 3.5\n", "key 'seq_len' must be an integer, got 3.5"),
-    ("compare_updates: projected\n", "key 'compare_updates' must be a list"),
-    ("compare_updates: [projectd]\n", "key 'compare_updates' must be one of"),
+    # a value of the wrong type: the words of every door (core/options.py), after the file's name
+    ("save_patch: \"false\"\n", "save_patch='false' has the wrong type (str); accepted: true or false."),
+    ("max_steps: three\n", "max_steps='three' has the wrong type (str); accepted: an integer >= 1."),
+    ("seq_len: 3.5\n", "seq_len=3.5 has the wrong type (float); accepted: an integer >= 2."),
+    ("compare_updates: projected\n", "compare_updates='projected' has the wrong type (str); accepted: a list."),
+    ("compare_updates: [projectd]\n", "compare_updates='projectd' is not one of the choices; accepted: one of 'unpatched', 'add',"),
     ("command: eval\n", "is for `eval`, not `calibrate`"),
     ("max_step: 3\n", "key 'max_step' is not an option of `calibrate`"),
 ])
@@ -95,8 +96,8 @@ def test_recipe_errors_name_the_file_and_key(common, tmp_path, capsys, recipe, m
     path.write_text(recipe)
     code, err = run(["calibrate", *common, "--recipe", str(path)], capsys)
     assert_user_error(code, err, "calibrate", message)
-    if "key" in message:
-        assert str(path) in err
+    if "accepted" in message:
+        assert f"recipe {path}: {message}" in err
 
 
 def test_recipe_booleans_and_the_command_line_wins(tmp_path):

@@ -2,41 +2,57 @@
 
 import json
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
+from conftest import VOCAB, make_tiny
 
+import hf_tangent as ht
 from hf_tangent import TangentConfig
+from hf_tangent.ranges import ChoiceError, OptionTypeError, RangeError, options_of, shown
 
 pytestmark = pytest.mark.core
 
 
 @pytest.mark.parametrize(
-    "kwargs, field, accepted",
+    "kwargs, field, error, accepted",
     [
-        (dict(update="tangential"), "update", "'projected'"),
-        (dict(update="soft", beta=1.5), "beta", "[0, 1]"),
-        (dict(update="soft", beta=-0.1), "beta", "[0, 1]"),
-        (dict(update="retract", p=0.0), "p", "> 0"),
-        (dict(update="retract", p=float("nan")), "p", "> 0"),
-        (dict(update="retract", p=-2), "p", "> 0"),
-        (dict(eps=0.0), "eps", "> 0"),
-        (dict(eps=float("inf")), "eps", "> 0"),
-        (dict(eps_mode="scaled"), "eps_mode", "'relative'"),
-        (dict(alpha=float("inf")), "alpha", "finite"),
-        (dict(gates="yes"), "gates", "True or False"),
-        (dict(layers=[0, 1.5]), "layers", "layer indices"),
-        (dict(layers="0,1"), "layers", "layer indices"),
-        (dict(parallel_layers=[True]), "parallel_layers", "layer indices"),
-        (dict(update="retract", retraction="slerp"), "retraction", "'cayley'"),
-        (dict(update="projected", retraction="cayley"), "retraction", "update='retract'"),
+        (dict(update="tangential"), "update", ChoiceError, "'projected'"),
+        (dict(update="soft", beta=1.5), "beta", RangeError, "a number >= 0 and <= 1"),
+        (dict(update="soft", beta=-0.1), "beta", RangeError, "a number >= 0 and <= 1"),
+        (dict(update="retract", p=0.0), "p", RangeError, "a number > 0 (inf: the exponential map"),
+        (dict(update="retract", p=float("nan")), "p", RangeError, "a number > 0"),
+        (dict(update="retract", p=-2), "p", RangeError, "a number > 0"),
+        (dict(eps=0.0), "eps", RangeError, "a number >= 1.17549e-38 and <= 1e+06"),
+        (dict(eps=float("inf")), "eps", RangeError, "a number >= 1.17549e-38"),
+        (dict(eps_mode="scaled"), "eps_mode", ChoiceError, "'relative'"),
+        (dict(alpha=float("inf")), "alpha", RangeError, "a number >= -1e+06 and <= 1e+06"),
+        (dict(gates="yes"), "gates", OptionTypeError, "true or false"),
+        (dict(layers=[0, 1.5]), "layers", OptionTypeError, "a list of integers, or None"),
+        (dict(layers="0,1"), "layers", OptionTypeError, "a list of integers, or None"),
+        (dict(parallel_layers=[True]), "parallel_layers", OptionTypeError, "a list of integers"),
+        (dict(update="retract", retraction="slerp"), "retraction", ChoiceError, "'cayley'"),
+        (dict(alpha=torch.tensor(0.5)), "alpha", OptionTypeError, "a number >= -1e+06"),
     ],
 )
-def test_bad_values_name_field_value_and_accepted(kwargs, field, accepted):
-    with pytest.raises(ValueError) as err:
+def test_bad_values_name_field_value_and_accepted(kwargs, field, error, accepted):
+    """TangentConfig's checks are every option's (core/options.py): the same errors and words as the recipe
+    functions, the options dataclasses and the command line."""
+    with pytest.raises(error) as err:
         TangentConfig(**kwargs)
     message = str(err.value)
-    assert f"TangentConfig.{field}=" in message and accepted in message
-    assert repr(next(iter(v for k, v in kwargs.items() if k == field))) in message
+    assert err.value.name == f"TangentConfig.{field}" and accepted in err.value.accepted
+    assert err.value.accepted == options_of(TangentConfig)[field].accepted  # what every door says for this option
+    assert message == f"TangentConfig.{field}={shown(kwargs[field])} {err.value.problem}; accepted: {err.value.accepted}."
+    assert isinstance(err.value, ValueError) and isinstance(err.value, TypeError) == (error is OptionTypeError)
+
+
+def test_a_retraction_with_another_update_is_refused():
+    with pytest.raises(ValueError, match=r"TangentConfig.retraction='cayley' with update='projected': a retraction is "
+                                         r"for update='retract' only; accepted: retraction=None, or update='retract'\."):
+        TangentConfig(update="projected", retraction="cayley")
 
 
 def test_retraction_alias_sets_p_and_conflicts_are_errors():
@@ -92,3 +108,57 @@ def test_layer_resolution():
         TangentConfig(layers=[1, -4]).resolve_layers(5)
     with pytest.raises(ValueError, match="parallel_layers: layer index -6"):
         TangentConfig(parallel_layers=[-6]).resolve_parallel_layers(5)
+
+
+# ----------------------------------------------------------------------------- numbers of any kind (issue 46)
+EXACT = 2.0**-17  # exactly a float32 too: np.float32(EXACT) is the same number as the float
+
+
+@pytest.mark.parametrize("field, value, plain", [
+    ("alpha", np.float32(0.5), 0.5), ("beta", np.float64(0.25), 0.25), ("eps", np.float32(EXACT), EXACT),
+    ("gamma", Fraction(1, 4), 0.25), ("noise_h", Fraction(1, 8), 0.125), ("p", Fraction(3, 2), 1.5),
+    ("noise_rank", np.int64(3), 3), ("layers", [np.int64(0), np.int32(-1)], (0, -1)),
+])
+def test_numbers_of_any_kind_are_kept_as_python_numbers(field, value, plain):
+    """A numpy scalar or a Fraction (numbers.Real) is kept as a Python float / int: the saved record is
+    JSON (np.float32 was kept as is, and every later save failed: 'Object of type float32 is not JSON
+    serializable'); noise_rank=np.int64(3) was refused."""
+    config = TangentConfig(update="soft", **{field: value})
+    kept = getattr(config, field)
+    assert kept == plain and type(kept) is type(plain)
+    assert all(type(i) is int for i in kept) if field == "layers" else True
+    assert config == TangentConfig(update="soft", **{field: plain})
+    assert TangentConfig.from_json_string(config.to_json_string()) == config
+
+
+@pytest.mark.parametrize("kwargs, implementation", [  # the sweep's `numbers` group runs the other pairs
+    (dict(update="soft", beta=Fraction(1, 2), alpha=np.float32(0.5), eps=np.float32(EXACT)), "reference"),
+    (dict(update="retract", p=Fraction(3, 2), eps_mode="relative", eps=Fraction(1, 1024)), "fused"),
+])
+def test_a_patch_of_numpy_and_fraction_numbers_runs_saves_and_equals_the_float_one(kwargs, implementation, tmp_path):
+    """The rules see plain floats: 20 rows through the reference rules failed with a Fraction ('unsupported
+    operand type(s) for *: 'Fraction' and 'Tensor''), and save_pretrained failed with a numpy scalar."""
+    plain = {k: float(v) if not isinstance(v, str) else v for k, v in kwargs.items()}
+    ids = torch.randint(0, VOCAB, (20, 6), generator=torch.Generator().manual_seed(0))
+    model = ht.patch(make_tiny("llama"), TangentConfig(implementation=implementation, **kwargs))
+    reference = ht.patch(make_tiny("llama"), TangentConfig(implementation=implementation, **plain))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    ht.update_config(model, alpha=np.float32(0.25))
+    assert type(ht.get_config(model).alpha) is float and ht.get_config(model).alpha == 0.25
+    model.save_pretrained(tmp_path / "saved")
+    again = ht.from_pretrained(tmp_path / "saved")
+    assert ht.get_config(again) == ht.get_config(model)
+
+
+def test_a_0_dim_tensor_is_refused_by_name():
+    """A 0-dim tensor or array is not a number (it may carry a device and a graph): refused by its type,
+    with what to pass instead, through TangentConfig as through update_config."""
+    for value in (torch.tensor(0.5), np.array(0.5)):
+        with pytest.raises(OptionTypeError, match=rf"TangentConfig.alpha=.* has the wrong type \({type(value).__name__}, "
+                                                  r"0-dim: pass \.item\(\)\); accepted: a number >= -1e\+06"):
+            TangentConfig(alpha=value)
+    model = ht.patch(make_tiny("llama"), TangentConfig(update="projected"))
+    with pytest.raises(OptionTypeError, match=r"has the wrong type \(Tensor, 0-dim: pass \.item\(\)\)"):
+        ht.update_config(model, alpha=torch.tensor(0.5))
+    assert ht.get_config(model).alpha == 1.0

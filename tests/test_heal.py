@@ -5,11 +5,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import logits_without_hf_tangent, make_tiny, nll_with_ffn_rule
 
 import hf_tangent as ht
+from hf_tangent.ranges import ChoiceError, OptionTypeError, RangeError
 from hf_tangent.training.healing import (
     HomotopyCallback,
     distillation_loss,
@@ -54,7 +56,7 @@ def test_homotopy_endpoints_are_bit_identical_and_the_middle_is_the_blend(ids):
     projected = y - (x * y).sum(-1, keepdim=True) / ((x * x).sum(-1, keepdim=True) + eps) * x
     torch.testing.assert_close(seen["out"], x + 0.75 * y + 0.25 * projected, rtol=1e-5, atol=1e-5)
     assert ht.get_homotopy(model) == 0.25 and model.config.hf_tangent["homotopy"]["lambda"] == 0.25
-    with pytest.raises(ValueError, match=r"lambda=1.5; accepted: a number in \[0, 1\]"):
+    with pytest.raises(RangeError, match=r"lambda=1.5 is out of range; accepted: a number >= 0 and <= 1 or a mapping\."):
         ht.set_homotopy(model, 1.5)
     with pytest.raises(ValueError, match="not patched"):
         ht.set_homotopy(make_tiny("llama"), 0.5)
@@ -76,8 +78,11 @@ def test_homotopy_schedules():
     assert [homotopy_value(s, 4) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     assert homotopy_value(2, 4, "cosine") == pytest.approx(0.5) and homotopy_value(1, 4, "cosine") < 0.25
     assert homotopy_value(0, 0) == 1.0  # no homotopy: the target from step 0
-    with pytest.raises(ValueError, match="schedule='cubic'; accepted: linear, cosine"):
-        HomotopyCallback(4, "cubic")
+    with pytest.raises(ChoiceError, match=r"schedule='cubic' is not one of the choices; accepted: one of 'linear', 'cosine'\."):
+        HomotopyCallback(4, "cubic")  # the words of every option (core/options.py; was its own check)
+    with pytest.raises(OptionTypeError, match=r"stages=2\.0 has the wrong type \(float\); accepted: an integer >= 1\."):
+        HomotopyCallback(4, stages=2.0)
+    assert type(HomotopyCallback(np.int64(4)).steps) is int
 
 
 def test_progressive_homotopy_moves_one_layer_group_at_a_time():
@@ -89,7 +94,7 @@ def test_progressive_homotopy_moves_one_layer_group_at_a_time():
     assert HomotopyCallback(4, stages=2).lambdas(1, [3, 4, 5, 6, 7]) == {3: 0.5, 4: 0.5, 5: 0.0, 6: 0.0, 7: 0.0}
     with pytest.raises(ValueError, match="stages=4 > the 3 patched layers; accepted: at most 3"):
         HomotopyCallback(6, stages=4).lambdas(0, [0, 1, 2])
-    with pytest.raises(ValueError, match="stages=0; accepted: an integer >= 1"):
+    with pytest.raises(RangeError, match=r"stages=0 is out of range; accepted: an integer >= 1\."):
         HomotopyCallback(6, stages=0)
 
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "sweeps"))
 import hostile_inputs as sweep  # noqa: E402
 
 KEPT = Path(__file__).resolve().parents[1] / "docs" / "results" / "hostile_sweep.json"
-DEFAULT = ("config", "patch", "behaviour", "reload", "homotopy", "disabled", "update_config", "register", "describe",
+DEFAULT = ("config", "numbers", "patch", "behaviour", "reload", "homotopy", "disabled", "update_config", "register", "describe",
            "analysis", "heal", "adapters", "artifacts", "lm_eval", "entries", "batch", "remote_code")
 # ("options": test_option_walk.py)
 

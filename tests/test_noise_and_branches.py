@@ -60,7 +60,7 @@ def test_tangent_noise_is_tangent_and_budgets_match():
 
 
 def test_negative_gamma_and_bad_branches_are_errors():
-    with pytest.raises(ValueError, match=r"TangentConfig.gamma=-0.1 is not valid; accepted: a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"TangentConfig.gamma=-0.1 is out of range; accepted: a number >= 0 and <= 1000\."):
         ht.TangentConfig(update="tangent_noise", gamma=-0.1)
     with pytest.raises(ValueError, match="TangentConfig.branches=.*'attention'"):
         ht.TangentConfig(branches=("mlp",))

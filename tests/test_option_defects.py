@@ -289,6 +289,27 @@ def test_numpy_scalars_reach_the_function_as_plain_numbers():
     assert out == (4, 0.5, [1]) and [type(v) for v in (out[0], out[1], out[2][0])] == [int, float, int]
 
 
+def test_numpy_scalars_in_the_options_dataclasses_are_kept_as_plain_numbers(tmp_path):
+    """Issue 47: LoraSettings, HealSettings and TangentTrainingArguments kept numpy scalars as given (PEFT's
+    save of LoRA r=np.int64(2) failed: 'Object of type int64 is not JSON serializable'; HealSettings(stages=
+    np.int64(1)) was refused later by the homotopy). Made, or changed and then passed, each keeps a Python
+    number, as the command line's dataclasses and TangentConfig do."""
+    import numpy as np
+
+    from hf_tangent.ranges import check_ranges
+
+    lora = ht.LoraSettings(r=np.int64(2), alpha=np.int32(4))
+    settings = ht.HealSettings(temperature=np.float32(2.0), lm_weight=np.float64(0.5), stages=np.int64(2))
+    args = _one_step(tmp_path, learning_rate=np.float32(0.5), weight_decay=np.float64(0.25), seed=np.int64(3))
+    kept = [lora.r, lora.alpha, settings.temperature, settings.lm_weight, settings.stages, args.learning_rate,
+            args.weight_decay, args.seed]
+    assert kept == [2, 4, 2.0, 0.5, 2, 0.5, 0.25, 3]
+    assert [type(v) for v in kept] == [int, int, float, float, int, float, float, int]
+    settings.temperature = np.float32(0.5)  # changed after it was made: kept plain when a function checks it again
+    check_ranges(settings, prefix="settings.")
+    assert type(settings.temperature) is float and settings.temperature == 0.5
+
+
 def test_tangent_layer_index_type_and_short_messages():
     from transformers import TrainingArguments
 
@@ -301,3 +322,24 @@ def test_tangent_layer_index_type_and_short_messages():
     assert str(info.value) == ("training_args=<TrainingArguments object> has the wrong type (TrainingArguments); "
                                "accepted: a TangentTrainingArguments, or None.")
     assert "LoraSettings" in ht.__all__ and ht.LoraSettings().r == 8
+
+
+def test_a_report_writes_numbers_of_any_kind_as_json_numbers(tmp_path):
+    """A numpy scalar in a report's data was written to report.json as a string ('0.5'), silently: written as
+    a number now (a path or a dtype still as its str)."""
+    import json
+
+    import numpy as np
+
+    from hf_tangent.experiments.report import Report
+
+    rows = [{"variant": "unpatched", "nll": np.float32(1.0), "perplexity": np.float64(2.718), "delta_nll": 0.0,
+             "delta_perplexity": 0.0, "tokens": np.int64(10), "config": None}]
+    Report("eval", {"command": "eval", "model": "m", "text": tmp_path / "t.txt", "seq_len": np.int64(8), "windows": 1,
+                    "tokens_per_variant": 10, "seconds": 0.1, "rows": rows, "unpatched_is": "the model", "device": "cpu",
+                    "dtype": "float32", "seed": 0, "threads": 1, "torch": "x", "hf_tangent_version": "x", "python": "x",
+                    "peak_rss_gb": 0.1}).save(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"]) == (8, 1.0, 10)
+    assert [type(v) for v in (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"])] == [int, float, int]
+    assert saved["text"] == str(tmp_path / "t.txt")

@@ -218,6 +218,27 @@ def test_supported_model_types_and_registry_extension():
                                  ffn_norm="c", mlp="d")
 
 
+@pytest.mark.parametrize("field, value, error, words", [
+    ("model_type", 123, "OptionTypeError", "model_type=123 has the wrong type (int); accepted: a string."),
+    ("mlp", "  ", "RangeError", "mlp='  ' is out of range; accepted: a string, or None, never an empty one."),
+    ("source", "guessed", "ChoiceError", "source='guessed' is not one of the choices; accepted: one of 'registry', "
+                                         "'discovered'."),
+    ("fused_ffn_in", "mlp.up_proj", "OptionTypeError", "fused_ffn_in='mlp.up_proj' has the wrong type (str); accepted: "
+                                                       "a list of strings."),
+])
+def test_register_architecture_checks_its_fields_as_every_option(field, value, error, words):
+    """An architecture's fields are options of the API too: checked by core/options.py, in the words of every
+    door (they were checked by hand, as 'ArchitectureSpec.x=... is not valid'), and nothing is registered."""
+    fields = dict(model_type="checked_type", layers="model.layers", input_norm=None, attention=None, ffn_norm="norm",
+                  mlp="mlp")
+    with pytest.raises(ValueError) as err:
+        ht.register_architecture(**{**fields, field: value})
+    assert type(err.value).__name__ == error and str(err.value) == f"ArchitectureSpec.{words}"
+    assert "checked_type" not in ht.supported_model_types()
+    spec = ht.ArchitectureSpec(**fields, fused_ffn_in=["mlp.up_proj"])
+    assert spec.fused_ffn_in == ("mlp.up_proj",) and hash(spec)  # a list is kept as a tuple: specs stay hashable
+
+
 def assert_untouched(model, ids, reference):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference)

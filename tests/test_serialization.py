@@ -93,7 +93,7 @@ def test_mismatched_saved_patch_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="layer index 7 is out of range for a model with 3 layers"):
         ht.from_pretrained(tmp_path)
     edit_record(tmp_path, config={"layers": [0, -1], "beta": 3.0})
-    with pytest.raises(ValueError, match=r"TangentConfig.beta=3.0 is not valid"):
+    with pytest.raises(ValueError, match=r"TangentConfig.beta=3.0 is out of range; accepted: a number >= 0 and <= 1\."):
         ht.from_pretrained(tmp_path)
 
 

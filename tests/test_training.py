@@ -205,7 +205,7 @@ def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder
         (["--seq-len", "60", "--calibration-files", "SHORT"], "fewer than one window of seq_len=60"),
         (["--calibration-files", "EMPTY"], "hold no text"),
         (["--layers", "5"], "layer index 5 is out of range for a model with 2 layers"),
-        (["--update", "tangent"], "TangentConfig.update='tangent' is not valid"),
+        (["--update", "tangent"], "TangentConfig.update='tangent' is not one of the choices"),
     ],
 )
 def test_bad_input_fails_before_training(tiny_lm_folder, austen_dir, tmp_path, capsys, extra, message):
@@ -244,24 +244,34 @@ def test_every_shipped_recipe_parses_and_the_command_line_wins():
 
 
 def run_finetune(folder, austen_dir, out, *, seeds, method="lora", rules=("projected",), save_models=False, lr=0.01,
-                 steps=3):
+                 steps=3, numpy=False):
+    """`numpy`: every integer (and the exactly representable numbers) given as numpy scalars, as a script that
+    reads them from an array would (issue 47: LoRA r=np.int64 reached PEFT's save, which failed)."""
+    import numpy as np
+
     from hf_tangent.experiments.finetune import FinetuneTrainingArguments, LoraSettings
 
+    as_given = (lambda v, kind=np.int64: kind(v)) if numpy else (lambda v, kind=None: v)
     text = ht.TextSource(text_files=(str(austen_dir / "emma.txt"),),
                          calibration_files=(str(austen_dir / "prideprejudice.txt"),))
-    args = FinetuneTrainingArguments(output_dir=str(out), max_steps=steps, learning_rate=lr, use_cpu=True,
-                                     per_device_train_batch_size=4, per_device_eval_batch_size=4)
-    report = ht.finetune(str(folder), text=text, rules=list(rules), seeds=list(seeds), method=method,
-                         lora=LoraSettings(targets=("q_proj", "down_proj")), seq_len=32, max_windows=2,
-                         train_windows=8, training_args=args, save_models=save_models)
+    args = FinetuneTrainingArguments(output_dir=str(out), max_steps=as_given(steps), learning_rate=lr, use_cpu=True,
+                                     per_device_train_batch_size=as_given(4), per_device_eval_batch_size=4,
+                                     max_grad_norm=as_given(1.0, np.float32), weight_decay=as_given(0.0, np.float32))
+    report = ht.finetune(str(folder), text=text, rules=list(rules), seeds=[as_given(s) for s in seeds], method=method,
+                         lora=LoraSettings(r=as_given(8), alpha=as_given(16), targets=("q_proj", "down_proj")),
+                         seq_len=as_given(32), max_windows=2, train_windows=as_given(8), training_args=args,
+                         save_models=save_models)
     report.save(out)
     return json.loads((out / "report.json").read_text())
 
 
 def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, austen_dir, tmp_path):
     out = tmp_path / "ft"
-    report = run_finetune(tiny_lm_folder, austen_dir, out, seeds=[0, 1], save_models=True)
+    report = run_finetune(tiny_lm_folder, austen_dir, out, seeds=[0, 1], save_models=True, numpy=True)
     runs = {(r["variant"], r["seed"]): r for r in report["runs"]}
+    assert all(type(r["seed"]) is int for r in report["runs"])
+    adapter = json.loads((out / "runs" / "projected-seed0" / "patch" / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (8, 16)  # PEFT's save of numpy r / alpha failed
     assert set(runs) == {("unpatched", 0), ("unpatched", 1), ("projected", 0), ("projected", 1)}
     assert all(len(r["loss_curve"]) == 3 for r in runs.values())
     summary = {s["variant"]: s for s in report["summary"]}
@@ -277,7 +287,8 @@ def test_finetune_runs_every_variant_with_paired_statistics(tiny_lm_folder, aust
     assert summary["projected"]["delta_nll_mean"] == pytest.approx(sum(deltas) / 2)
     assert summary["projected"]["p_value"] == (0.5 if deltas[0] * deltas[1] > 0 else 1.0)  # exact sign flips, 2 seeds
     assert (out / "loss_curves.png").is_file() and "paired permutation" in (out / "report.md").read_text()
-    # same seed, same data order: a rerun of one configuration reproduces it exactly
+    # same seed, same data order: a rerun of one configuration reproduces it exactly (given plain numbers, the
+    # numpy-given run's own)
     again = run_finetune(tiny_lm_folder, austen_dir, tmp_path / "again", seeds=[1])
     rerun = {(r["variant"], r["seed"]): r for r in again["runs"]}
     assert rerun[("projected", 1)]["nll"] == runs[("projected", 1)]["nll"]

@@ -22,7 +22,7 @@ import torch
 
 from ..core.config import TangentConfig
 from ..core.discovery import architecture
-from ..core.patching import CHILD_NAME, CONFIG_KEY, _is_lambda, patch, set_homotopy, tangent_layers
+from ..core.patching import CHILD_NAME, CONFIG_KEY, HOMOTOPY_OPTIONS, patch, set_homotopy, tangent_layers
 from ..core.registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, base_model_type
 from ..core.wrappers import full_state_dict, model_class, unwrap
 
@@ -70,14 +70,17 @@ def _check_record(record, where: str) -> dict:
         _fail(where, f"unknown field(s) {', '.join(f'{CONFIG_KEY}.{k}' for k in unknown)}; accepted: "
                      f"{', '.join(sorted({*_RECORD_FIELDS, *_OPTIONAL_RECORD_FIELDS}))}.")
     homotopy = record.get("homotopy")
-    if homotopy is not None:  # set_homotopy's lambda and schedule (optional)
-        value = homotopy.get("lambda") if isinstance(homotopy, dict) else None
-        values = list(value.values()) if isinstance(value, dict) and all(
-            isinstance(k, str) and k.isdigit() for k in value) else [value]
-        if (not values or not all(_is_lambda(v) for v in values)
-                or set(homotopy) - {"lambda", "schedule", "steps"} or homotopy.get("schedule") not in (None, "linear", "cosine")
-                or not (homotopy.get("steps") is None or (isinstance(homotopy["steps"], int)
-                                                          and not isinstance(homotopy["steps"], bool) and homotopy["steps"] >= 0))):
+    if homotopy is not None:  # set_homotopy's lambda, schedule and steps (optional), checked by its own options
+        try:
+            if not isinstance(homotopy, dict) or set(homotopy) - set(HOMOTOPY_OPTIONS):
+                raise ValueError
+            value = homotopy.get("lambda")
+            values = list(value.values()) if isinstance(value, dict) and all(
+                isinstance(k, str) and k.isdigit() for k in value) else [value]
+            for name, given in [*(("lambda", v) for v in values or [None]), ("schedule", homotopy.get("schedule")),
+                                ("steps", homotopy.get("steps"))]:
+                HOMOTOPY_OPTIONS[name].check(given)
+        except ValueError:
             _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1] or {{layer: number}}, "
                          f"'schedule': 'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")
     if "architecture" in record:  # the spec it was patched with (optional: older saves lack it)

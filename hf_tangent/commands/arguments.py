@@ -22,6 +22,7 @@ import torch
 
 from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..core.destinations import DestinationError
+from ..core.options import ChoiceError, OptionTypeError
 from ..experiments.runs import claim_run_folder, in_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
 from ..training import data
@@ -209,9 +210,8 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
     `null` is None where the option takes None (`optional`); a string for a number goes through the
     command line's own conversion (YAML reads `1e-3` as a string, the command line as a number).
     The ranges are checked when the command's dataclasses are made, as for the command line."""
-    def fail(expected):
-        also = f"; accepted: {accepted}" if accepted else ""
-        raise CommandError(f"recipe {where}: key {key!r} must be {expected}, got {value!r} ({type(value).__name__}){also}.")
+    def fail(expected, error=OptionTypeError):  # the words of every door (core/options.py)
+        raise CommandError(f"recipe {where}: {error(key, value, accepted or expected)}")
 
     kind = _kind(action)
     if value is None and optional:
@@ -228,7 +228,7 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
             fail("an integer" if kind == "int" else "a number")
     if kind == "bool":
         if not isinstance(value, bool):
-            fail("true or false (unquoted)")
+            fail("true or false")
         return value
     if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
         fail("an integer")
@@ -240,9 +240,9 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
         try:
             action.type(value if isinstance(value, str) else str(value))
         except (TypeError, ValueError, argparse.ArgumentTypeError):
-            fail(f"accepted by --{action.dest}")
+            fail(f"a value --{action.dest} takes")
     if action.choices is not None and value not in action.choices and str(value) not in map(str, action.choices):
-        fail(f"one of {list(action.choices)}")
+        fail("one of " + ", ".join(map(repr, action.choices)), ChoiceError)
     return value
 
 

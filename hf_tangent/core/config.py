@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from ._version import __version__
+from .options import Range, RangeError, check_fields, own_options
 
 UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "retract",
            "tangent_noise", "gaussian_noise", "residual_dropout")
@@ -22,6 +22,7 @@ NOISE_UPDATES = ("tangent_noise", "gaussian_noise", "residual_dropout")
 BRANCHES = ("ffn", "attention")
 # Named retractions of math.md section 2, as the p of theta_p(t) = p * atan(t / p).
 RETRACTIONS = {"proj": 1.0, "cayley": 2.0, "exp": math.inf}
+RETRACTION_NAMES = tuple(RETRACTIONS)
 EPS_MODES = ("absolute", "relative")
 IMPLEMENTATIONS = ("fused", "reference", "triton")
 PARALLEL_EXECUTIONS = ("hooks", "fused")
@@ -32,31 +33,11 @@ MAX_EPS = 1e6
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a smaller eps rounds to 0
 
 
-def _fail(name: str, value: Any, accepted: str) -> None:
-    raise ValueError(f"TangentConfig.{name}={value!r} is not valid; accepted: {accepted}.")
-
-
-def _is_real(value: Any) -> bool:
-    """A number, not a bool, and within float range (an int like 10**400 is not: no float holds it)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
-        not (isinstance(value, numbers.Integral) and abs(int(value)) >= 2**1024)
-
-
-def _index_tuple(name: str, value: Any) -> tuple[int, ...]:
-    accepted = "a list of layer indices (ints, negative counts from the end)"
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        _fail(name, value, accepted)
-    items = tuple(value)
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
-        _fail(name, value, accepted)
-    return tuple(int(i) for i in items)
-
-
 @dataclass
 class TangentConfig:
     """Settings of one hf_tangent patch. See docs/math.md for every formula."""
 
-    update: str = field(
+    update: Literal[UPDATES] = field(
         default="add",
         metadata={"help": "FFN update rule: " + ", ".join(UPDATES) + ". 'add' is the unmodified model."},
     )
@@ -68,7 +49,7 @@ class TangentConfig:
         metadata={"help": "'retract' only: angle map theta = p*atan(t/p), p > 0; 1 = projection, "
                           "2 = Cayley, inf = exponential map. Default: the retraction's p, else 1."},
     )
-    retraction: str | None = field(
+    retraction: Literal[RETRACTION_NAMES] | None = field(
         default=None,
         metadata={"help": "'retract' only: alias for p, one of " + ", ".join(RETRACTIONS) + "."},
     )
@@ -80,7 +61,7 @@ class TangentConfig:
         metadata={"help": "Stabiliser of ||x||^2 + eps (float32); with eps_mode='relative' it is "
                           "eps * mean(||x||^2) over the tokens of the call."},
     )
-    eps_mode: str = field(default="absolute", metadata={"help": "'absolute' or 'relative' eps."})
+    eps_mode: Literal[EPS_MODES] = field(default="absolute", metadata={"help": "'absolute' or 'relative' eps."})
     gamma: float = field(
         default=0.0,
         metadata={"help": "noise updates only: tangent noise scale gamma >= 0 (math.md section 3); the gaussian and "
@@ -88,7 +69,7 @@ class TangentConfig:
     )
     noise_h: float = field(default=0.1, metadata={"help": "noise updates only: step h > 0 of the drift h*p and noise gamma*sqrt(h)*q."})
     noise_rank: int = field(default=4, metadata={"help": "tangent_noise only: rank r of the shared symmetric drift field."})
-    branches: tuple[str, ...] = field(
+    branches: tuple[Literal[BRANCHES], ...] = field(
         default=("ffn",),
         metadata={"help": "residual branches the rule applies to: ('ffn',) or ('ffn', 'attention') (GeoNorm style)."},
     )
@@ -101,28 +82,33 @@ class TangentConfig:
     parallel_layers: tuple[int, ...] = field(
         default=(), metadata={"help": "Layers run in parallel-residual form x + A(x) + FFN(Norm(x))."}
     )
-    parallel_execution: str = field(
+    parallel_execution: Literal[PARALLEL_EXECUTIONS] = field(
         default="hooks",
         metadata={"help": "How parallel_layers run: 'hooks' (the model's own code, default) or 'fused' "
                           "(opt-in: one GEMM for the attention and FFN input projections; llama-like models)."},
     )
-    implementation: str = field(
+    implementation: Literal[IMPLEMENTATIONS] = field(
         default="fused",
         metadata={"help": "'fused': one autograd Function with an analytic backward that saves only x and y "
                           "(default); 'reference': plain tensor ops (rules.py), what the tests compare against; "
                           "'triton': one Triton kernel per rule (CUDA; opt-in, not yet measured on hardware)."},
     )
 
+    # The checks of every option (core/options.py: the type from the annotation, the range of a number):
+    # errors say `TangentConfig.beta=1.5 is out of range; accepted: a number >= 0 and <= 1.`
+    RANGES: ClassVar[dict[str, Range]] = {
+        "beta": Range(0, 1), "p": Range(0, open_low=True, allow_inf="the exponential map, retraction='exp'"),
+        "alpha": Range(-MAX_ALPHA, MAX_ALPHA), "eps": Range(FLOAT32_TINY, MAX_EPS), "gamma": Range(0, MAX_NOISE),
+        "noise_h": Range(0, MAX_NOISE, open_low=True), "noise_rank": Range(1, integer=True),
+        "layers": Range(integer=True), "parallel_layers": Range(integer=True)}  # negative: from the end
+    EMPTY: ClassVar[dict[str, str]] = {"layers": "no layer's update rule changed (a config of parallel_layers only)"}
+
     def __post_init__(self) -> None:
-        if self.update not in UPDATES:
-            _fail("update", self.update, ", ".join(repr(u) for u in UPDATES))
-        if not _is_real(self.beta) or not 0.0 <= self.beta <= 1.0:
-            _fail("beta", self.beta, "a number in [0, 1]")
+        check_fields(self, own_options(TangentConfig), prefix="TangentConfig.")  # numbers kept as int / float
         if self.retraction is not None:
-            if self.retraction not in RETRACTIONS:
-                _fail("retraction", self.retraction, ", ".join(repr(r) for r in RETRACTIONS) + " or None")
             if self.update != "retract":
-                _fail("retraction", self.retraction, "None unless update='retract'")
+                raise ValueError(f"TangentConfig.retraction={self.retraction!r} with update={self.update!r}: a retraction "
+                                 "is for update='retract' only; accepted: retraction=None, or update='retract'.")
             implied = RETRACTIONS[self.retraction]
             if self.p is not None and self.p != implied:
                 raise ValueError(
@@ -130,38 +116,16 @@ class TangentConfig:
                     "was also given; set one of them."
                 )
             self.p = implied
-        if self.p is None:
-            self.p = 1.0
-        if not _is_real(self.p) or math.isnan(self.p) or self.p <= 0:
-            _fail("p", self.p, "a number > 0, or float('inf') for the exponential map")
-        self.p = float(self.p)
-        if not _is_real(self.alpha) or not abs(self.alpha) <= MAX_ALPHA:
-            _fail("alpha", self.alpha, f"a finite number with |alpha| <= {MAX_ALPHA:g} (the update must stay finite in float32)")
-        if not _is_real(self.eps) or not FLOAT32_TINY <= self.eps <= MAX_EPS:
-            _fail("eps", self.eps, f"a finite number > 0 that float32 can hold ({FLOAT32_TINY:.3g} .. {MAX_EPS:g}), e.g. 1e-6")
-        if not _is_real(self.gamma) or not 0 <= self.gamma <= MAX_NOISE:
-            _fail("gamma", self.gamma, f"a finite number >= 0 and <= {MAX_NOISE:g}")
-        if not _is_real(self.noise_h) or not 0 < self.noise_h <= MAX_NOISE:
-            _fail("noise_h", self.noise_h, f"a finite number > 0 and <= {MAX_NOISE:g}")
-        if not isinstance(self.noise_rank, int) or isinstance(self.noise_rank, bool) or self.noise_rank < 1:
-            _fail("noise_rank", self.noise_rank, "an integer >= 1")
-        branches = tuple(self.branches) if isinstance(self.branches, (list, tuple)) else None
-        if not branches or any(b not in BRANCHES for b in branches) or len(set(branches)) != len(branches):
-            _fail("branches", self.branches, "a non-empty subset of " + ", ".join(repr(b) for b in BRANCHES))
-        self.branches = branches
-        if self.eps_mode not in EPS_MODES:
-            _fail("eps_mode", self.eps_mode, ", ".join(repr(m) for m in EPS_MODES))
-        if self.parallel_execution not in PARALLEL_EXECUTIONS:
-            _fail("parallel_execution", self.parallel_execution, ", ".join(repr(m) for m in PARALLEL_EXECUTIONS))
-        if self.implementation not in IMPLEMENTATIONS:
-            _fail("implementation", self.implementation, ", ".join(repr(m) for m in IMPLEMENTATIONS))
+        self.p = 1.0 if self.p is None else float(self.p)
+        self.branches = tuple(self.branches)
+        if len(set(self.branches)) != len(self.branches):
+            accepted = own_options(TangentConfig)["branches"].accepted
+            raise RangeError("TangentConfig.branches", self.branches, f"{accepted}, each at most once")
         if self.implementation == "triton" and self.update in NOISE_UPDATES:
-            _fail("implementation", self.implementation, f"'fused' or 'reference' for the noise update {self.update!r}")
-        if not isinstance(self.gates, bool):
-            _fail("gates", self.gates, "True or False")
-        if self.layers is not None:
-            self.layers = _index_tuple("layers", self.layers)
-        self.parallel_layers = _index_tuple("parallel_layers", self.parallel_layers)
+            raise ValueError(f"TangentConfig.implementation='triton' with update={self.update!r}: the Triton kernels have "
+                             "no noise update; accepted: implementation='fused' or 'reference' for a noise update.")
+        self.layers = None if self.layers is None else tuple(self.layers)
+        self.parallel_layers = tuple(self.parallel_layers)
 
     # ----------------------------------------------------------------- read-only copies
     def __setattr__(self, name: str, value: Any) -> None:
@@ -232,7 +196,7 @@ class TangentConfig:
             try:
                 kwargs["p"] = float(kwargs["p"])
             except ValueError:
-                _fail("p", kwargs["p"], "a number > 0, or \"inf\" for the exponential map")
+                pass  # refused by the check of p, by type
         return cls(**kwargs)
 
     def to_json_string(self) -> str:

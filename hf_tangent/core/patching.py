@@ -25,6 +25,7 @@ import dataclasses
 import os
 import sys
 import warnings
+from typing import Literal
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from .config import TangentConfig
 from .destinations import AtomicSave
 from .discovery import register_unpatching, require_verified, resolve_spec
 from .layer import TangentLayer
+from .options import Option, Range
 from .registry import (
     BASE_TYPE_ATTR,
     CONFIG_KEY,
@@ -480,6 +482,11 @@ register_unpatching(disabled)  # discovery probes a model with its patch off
 
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")
+HomotopySchedule = Literal[HOMOTOPY_SCHEDULES]
+# set_homotopy's options (and a saved record's homotopy), checked as every option is (core/options.py)
+HOMOTOPY_OPTIONS = {"lambda": Option("lambda", float, Range(0, 1)), "schedule": Option("schedule", HomotopySchedule | None),
+                    "steps": Option("steps", int | None, Range(0, integer=True))}
+_LAMBDA = Option("lambda", float | dict[int, float], Range(0, 1))  # one number, or one per layer
 
 
 def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None = None):
@@ -499,10 +506,9 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
         raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")
     children = tangent_layers(base)
     values = _homotopy_values(value, [child.index for child in children])
-    if schedule is not None and schedule not in HOMOTOPY_SCHEDULES:
-        raise ValueError(f"hf_tangent.set_homotopy: schedule={schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
-        raise ValueError(f"hf_tangent.set_homotopy: steps={steps!r}; accepted: an integer >= 0.")
+    HOMOTOPY_OPTIONS["schedule"].check(schedule)
+    HOMOTOPY_OPTIONS["steps"].check(steps)
+    steps = None if steps is None else int(steps)
     for child in children:
         child.blend = values[child.index]
     uniform = len(set(values.values())) <= 1
@@ -511,23 +517,18 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
     return model
 
 
-def _is_lambda(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
-
-
 def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
     """{layer: lambda} for every patched layer, from one lambda or a per-layer mapping (checked)."""
     if not isinstance(value, dict):
-        if not _is_lambda(value):
-            raise ValueError(f"hf_tangent.set_homotopy: lambda={value!r}; accepted: a number in [0, 1], or a "
-                             "mapping {layer index: number in [0, 1]} over the patched layers.")
+        _LAMBDA.check(value)  # lambda=1.5 is out of range; accepted: a number >= 0 and <= 1 or a mapping.
         return {i: float(value) for i in layers}
     parsed = {}
     for key, v in value.items():
         index = int(key) if isinstance(key, str) and key.isdigit() else key
-        if isinstance(index, bool) or not isinstance(index, int) or not _is_lambda(v):
+        if isinstance(index, bool) or not isinstance(index, int):
             raise ValueError(f"hf_tangent.set_homotopy: entry {key!r}: {v!r}; accepted: layer index -> number in [0, 1].")
-        parsed[index] = float(v)
+        dataclasses.replace(HOMOTOPY_OPTIONS["lambda"], name=f"lambda[{key!r}]").check(v)
+        parsed[int(index)] = float(v)
     if set(parsed) != set(layers):
         raise ValueError(f"hf_tangent.set_homotopy: the mapping gives layers {sorted(parsed)}; accepted: exactly the "
                          f"patched layers {layers}.")

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
+
+from .options import RangeError, check_fields, own_options
 
 
 @dataclass(frozen=True)
@@ -32,29 +35,16 @@ class ArchitectureSpec:
     # Optional fused parallel execution (fused_parallel.py): Linear input projections, relative to the layer.
     fused_attention_in: tuple[str, ...] = ()
     fused_ffn_in: tuple[str, ...] = ()
-    source: str = "registry"  # "registry" or "discovered"
+    source: Literal["registry", "discovered"] = "registry"
 
-    def __post_init__(self):
-        def fail(name, accepted):
-            raise ValueError(f"hf_tangent: ArchitectureSpec.{name}={getattr(self, name)!r} is not valid; accepted: "
-                             f"{accepted}.")
-
-        for f in dataclasses.fields(self):  # the registry is shared by every model: a bad entry must never get in
-            value = getattr(self, f.name)
-            if f.name in ("model_type", "layers", "ffn_norm"):
-                if not isinstance(value, str) or not value.strip():
-                    fail(f.name, "a non-empty string" + (" (an attribute path)" if f.name != "model_type" else ""))
-            elif f.name in ("fused_attention_in", "fused_ffn_in"):
-                if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
-                    fail(f.name, "a tuple of attribute paths (strings)")
-            elif f.name == "parallel":
-                if not isinstance(value, bool):
-                    fail(f.name, "True or False")
-            elif f.name == "source":
-                if value not in ("registry", "discovered"):
-                    fail(f.name, "'registry' or 'discovered'")
-            elif value is not None and (not isinstance(value, str) or not value.strip()):
-                fail(f.name, "an attribute path (a non-empty string) or None")
+    def __post_init__(self):  # the registry is shared by every model: a bad entry must never get in
+        check_fields(self, own_options(ArchitectureSpec), prefix="ArchitectureSpec.")  # core/options.py: every option's check
+        for name, value in vars(self).items():  # and an attribute path is never empty
+            if any(not v.strip() for v in (value if isinstance(value, tuple) else [value]) if isinstance(v, str)):
+                raise RangeError(f"ArchitectureSpec.{name}", value, f"{own_options(ArchitectureSpec)[name].accepted}, "
+                                 "never an empty one")
+            if isinstance(value, list):  # fused_*_in: kept as tuples, so that a spec is hashable
+                object.__setattr__(self, name, tuple(value))
         if self.ffn_out is None and self.mlp is None:
             raise ValueError(f"hf_tangent: the spec of '{self.model_type}' names neither mlp nor ffn_out.")
 

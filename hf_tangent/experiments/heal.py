@@ -19,7 +19,7 @@ from ..artifacts.patch_repo import patch_record, write_patch_repo
 from ..core.config import TangentConfig
 from ..core.destinations import check_destination
 from ..core.discovery import decoder_layers
-from ..core.patching import CONFIG_KEY, HOMOTOPY_SCHEDULES, get_homotopy, patch, tangent_layers
+from ..core.patching import CONFIG_KEY, HomotopySchedule, get_homotopy, patch, tangent_layers
 from ..core.wrappers import peft_model_of, unwrap
 from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
@@ -73,15 +73,11 @@ class HealSettings:
     temperature: float = 1.0
     lm_weight: float = 0.0
     homotopy_fraction: float = 0.5
-    schedule: str = "linear"
+    schedule: HomotopySchedule = "linear"
     stages: int = 1
 
     def __post_init__(self):
-        check_ranges(self)
-        if self.method not in ("lora", "full"):
-            raise ValueError(f"method={self.method!r}; accepted: 'lora', 'full'.")
-        if self.schedule not in HOMOTOPY_SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
+        check_ranges(self)  # method and schedule are choices (Literal), the numbers ranges: core/options.py
         if self.stages > 1 and self.homotopy_fraction == 0:
             raise ValueError(f"stages={self.stages} with homotopy_fraction=0: the stages divide the homotopy's steps, and "
                              "there are none; accepted: homotopy_fraction > 0 with stages > 1, or stages=1.")

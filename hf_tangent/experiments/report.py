@@ -11,12 +11,14 @@ package's __init__ imports every experiment module, so the table is whole before
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..ranges import plain
 from .runs import ACTIVE, RunFolder, claim_run_folder, temporary_path, write_atomically
 
 # kind -> Markdown renderer / plot writer, filled by the experiment modules (register_report)
@@ -101,7 +103,7 @@ class Report:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         write_atomically(folder / "report.md", self.to_markdown())
-        write_atomically(folder / "report.json", json.dumps(self.data, indent=2, default=str))
+        write_atomically(folder / "report.json", json.dumps(self.data, indent=2, default=_json_default))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Report:
@@ -137,3 +139,7 @@ def variants_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _json_default(value):
+    """A value JSON has no type for: a number of any kind (numpy, Fraction) as a JSON number (it was written as
+    a string), anything else (a path, a dtype) as its str."""
+    return plain(value, float) if isinstance(value, numbers.Real) else str(value)

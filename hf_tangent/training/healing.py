@@ -16,9 +16,9 @@ import math
 import torch
 
 from ..analysis.evaluation import eval_mode
-from ..core.patching import HOMOTOPY_SCHEDULES, disabled, set_homotopy, tangent_layers
+from ..core.patching import HomotopySchedule, disabled, set_homotopy, tangent_layers
 from ..core.wrappers import peft_model_of
-from ..ranges import Range, check_values
+from ..ranges import Range, at_least, check_values, validated
 from .trainer import _transformers_callback
 
 # Distillation temperatures: > 0, and at most 100 (Hinton et al. use up to 20): the loss is scaled by T^2 and the
@@ -62,13 +62,8 @@ class HomotopyCallback(_transformers_callback()):
     moves from 0 to 1 during the g-th of `stages` equal parts of the `steps` (later groups stay
     unpatched until their turn, earlier ones stay at the target)."""
 
-    def __init__(self, steps: int, schedule: str = "linear", stages: int = 1):
-        if schedule not in HOMOTOPY_SCHEDULES:
-            raise ValueError(f"homotopy schedule={schedule!r}; accepted: {', '.join(HOMOTOPY_SCHEDULES)}.")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"homotopy steps={steps!r}; accepted: an integer >= 0 (0: the target from step 0).")
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"homotopy stages={stages!r}; accepted: an integer >= 1 (1: every layer at once).")
+    @validated({"steps": at_least(0), "stages": at_least(1)})  # steps 0: the target from step 0; stages 1: all at once
+    def __init__(self, steps: int, schedule: HomotopySchedule = "linear", stages: int = 1):
         self.steps, self.schedule, self.stages = steps, schedule, stages
         self.values: list[tuple[int, float | dict[int, float]]] = []  # (step, lambda) as set
 

@@ -104,6 +104,72 @@ def config_cases():
                  "update_config")
 
 
+def number_cases(tmp: Path):
+    """Issue 46: a number of any kind (numpy scalar, Fraction) is kept as a Python int / float by TangentConfig,
+    update_config and the options dataclasses (saves and reports are JSON; the rules see plain floats); a 0-dim
+    tensor or array is refused by its type's name; a Fraction beyond float range is no finite number."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    def kept(obj, **expected):
+        return all(getattr(obj, k) == v and type(getattr(obj, k)) is type(v) for k, v in expected.items())
+
+    given = dict(alpha=np.float32(0.5), beta=Fraction(1, 4), eps=np.float64(2.0**-17), noise_rank=np.int64(3),
+                 layers=[np.int64(0)])
+    plain = dict(alpha=0.5, beta=0.25, eps=2.0**-17, noise_rank=3, layers=(0,))
+    expect_ok("numbers", "TangentConfig of numpy scalars and a Fraction: Python numbers, JSON round trip",
+              lambda: kept(ht.TangentConfig(update="soft", **given), **plain) and ht.TangentConfig.from_json_string(
+                  ht.TangentConfig(update="soft", **given).to_json_string()) == ht.TangentConfig(update="soft", **plain))
+
+    def same_model_and_saves(implementation):
+        ids = torch.randint(0, VOCAB, (20, 6), generator=torch.Generator().manual_seed(1))
+        model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="soft", implementation=implementation, **given))
+        reference = ht.patch(make_tiny("llama"), ht.TangentConfig(update="soft", implementation=implementation, **plain))
+        folder = tmp / f"numbers-{implementation}"
+        model.save_pretrained(folder)
+        return torch.equal(logits(model, ids), logits(reference, ids)) and \
+            ht.get_config(ht.from_pretrained(folder)) == ht.get_config(model)
+
+    for implementation in ("fused", "reference"):
+        expect_ok("numbers", f"{implementation}: 20 rows equal the float config's, save_pretrained and reload",
+                  lambda i=implementation: same_model_and_saves(i))
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="soft"))
+    def updated():
+        ht.update_config(model, beta=np.float32(0.5))
+        model.save_pretrained(tmp / "numbers-updated")
+        return kept(ht.get_config(model), beta=0.5) and ht.get_config(ht.from_pretrained(tmp / "numbers-updated")).beta == 0.5
+
+    expect_ok("numbers", "update_config(beta=np.float32(0.5)): a float, and the model saves", updated)
+    def homotopy_of_numpy():  # set_homotopy refused np.float32 (only int / float were numbers there)
+        ht.set_homotopy(model, np.float32(0.25), schedule="linear", steps=np.int64(4))
+        saved = model.config.hf_tangent["homotopy"]
+        return saved == {"lambda": 0.25, "schedule": "linear", "steps": 4} and type(saved["steps"]) is int
+
+    expect_ok("numbers", "set_homotopy(np.float32(0.25), steps=np.int64(4)): Python numbers in the record", homotopy_of_numpy)
+    for value in (torch.tensor(0.5), np.array(0.5), torch.tensor([0.5])):
+        expect_error("numbers", f"TangentConfig(alpha={value!r})", lambda v=value: ht.TangentConfig(alpha=v),
+                     f"has the wrong type ({type(value).__name__}")
+    expect_error("numbers", "update_config(alpha=torch.tensor(0.5))", lambda: ht.update_config(model, alpha=torch.tensor(0.5)),
+                 "0-dim: pass .item()", model)
+    expect_error("numbers", "TangentConfig(gamma=Fraction(10**400))", lambda: ht.TangentConfig(gamma=Fraction(10**400)),
+                 "is out of range; accepted: a number >= 0 and <= 1000")
+    expect_ok("numbers", "TangentConfig(update=np.str_('soft')): a str", lambda: type(ht.TangentConfig(
+        update=np.str_("soft")).update) is str and ht.TangentConfig(update=np.str_("soft")) == ht.TangentConfig(update="soft"))
+    args = dict(output_dir=str(tmp / "numbers-args"), use_cpu=True)
+    expect_ok("numbers", "LoraSettings(r=np.int64(2), alpha=np.int32(4)): ints",
+              lambda: kept(ht.LoraSettings(r=np.int64(2), alpha=np.int32(4)), r=2, alpha=4))
+    expect_ok("numbers", "HealSettings(temperature=np.float32(2), stages=np.int64(2)): Python numbers",
+              lambda: kept(ht.HealSettings(temperature=np.float32(2.0), stages=np.int64(2)), temperature=2.0, stages=2))
+    expect_ok("numbers", "TangentTrainingArguments(learning_rate=np.float32(0.5), max_steps=np.int64(3)): Python numbers",
+              lambda: kept(ht.TangentTrainingArguments(learning_rate=np.float32(0.5), max_steps=np.int64(3), **args),
+                           learning_rate=0.5, max_steps=3))
+    expect_error("numbers", "LoraSettings(r=np.float32(2))", lambda: ht.LoraSettings(r=np.float32(2.0)),
+                 "r=np.float32(2.0) has the wrong type (float32); accepted: an integer >= 1")
+    expect_error("numbers", "HealSettings(temperature=torch.tensor(2.0))", lambda: ht.HealSettings(temperature=torch.tensor(2.0)),
+                 "0-dim: pass .item()")
+
+
 # ----------------------------------------------------------------------------- patch
 def patch_cases():
     def patched(arch="llama", **kw):
@@ -155,7 +221,7 @@ def patch_cases():
                  "not patched")
     expect_error("patch", "homotopy lambda out of [0, 1]",
                  lambda: ht.set_homotopy(ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected")), 1.5),
-                 "accepted: a number in [0, 1]")
+                 "accepted: a number >= 0 and <= 1 or a mapping.")
     expect_error("patch", "homotopy of an unpatched model", lambda: ht.set_homotopy(make_tiny("llama"), 0.5), "not patched")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import architectures
@@ -396,9 +462,13 @@ def cli_cases(tmp: Path, model_folder: Path):
         (["study", "entropy"], "study", "unknown study"),
         (["study-report", str(tmp / "file")], "study-report", "not a readable report.json"),
         *[(["calibrate", *common, "--recipe", str(tmp / f"{n}.yaml")], "calibrate", m) for n, m in [
-            ("not_yaml", "not valid YAML"), ("list", "must be a YAML mapping"), ("quoted_bool", "must be true or false"),
-            ("bad_int", "must be an integer"), ("unknown", "is not an option"), ("other_command", "is for `eval`"),
-            ("bad_choice", "must be one of"), ("float_for_int", "must be an integer"), ("scalar_for_list", "must be a list")]],
+            ("not_yaml", "not valid YAML"), ("list", "must be a YAML mapping"),
+            ("quoted_bool", "save_patch='false' has the wrong type (str); accepted: true or false."),
+            ("bad_int", "max_steps='x' has the wrong type (str); accepted: an integer >= 1."),
+            ("unknown", "is not an option"), ("other_command", "is for `eval`"),
+            ("bad_choice", "compare_updates='nope' is not one of the choices; accepted: one of 'unpatched', 'add',"),
+            ("float_for_int", "seq_len=2.5 has the wrong type (float); accepted: an integer >= 2."),
+            ("scalar_for_list", "layers=3 has the wrong type (int); accepted: a non-empty list of integers")]],
         (["calibrate", *common, "--recipe", "no_such_recipe"], "calibrate", "not found"),
     ]
     for argv, command, message in cases:
@@ -434,14 +504,14 @@ def patched_tiny(**fields):
 
 def homotopy_cases():
     model = patched_tiny()
-    for value, message in [(1.5, "accepted: a number in [0, 1]"), (-0.1, "accepted: a number in [0, 1]"),
-                           (float("nan"), "accepted: a number in [0, 1]"), ("0.5", "accepted: a number in [0, 1]"),
-                           (True, "accepted: a number in [0, 1]"), ({0: 0.5}, "accepted: exactly the patched layers"),
-                           ({0: 0.5, 1: 0.5, 2: 2.0}, "accepted: layer index -> number in [0, 1]"),
+    for value, message in [(1.5, "accepted: a number >= 0 and <= 1 or a mapping."), (-0.1, "accepted: a number >= 0 and <= 1 or a mapping."),
+                           (float("nan"), "accepted: a number >= 0 and <= 1 or a mapping."), ("0.5", "accepted: a number >= 0 and <= 1 or a mapping."),
+                           (True, "accepted: a number >= 0 and <= 1 or a mapping."), ({0: 0.5}, "accepted: exactly the patched layers"),
+                           ({0: 0.5, 1: 0.5, 2: 2.0}, "lambda[2]=2.0 is out of range; accepted: a number >= 0 and <= 1."),
                            ({"x": 0.5, 1: 0.5, 2: 0.5}, "accepted: layer index -> number in [0, 1]")]:
         expect_error("homotopy", f"lambda {value!r}", lambda v=value: ht.set_homotopy(model, v), message, model)
     expect_error("homotopy", "schedule 'cubic'", lambda: ht.set_homotopy(model, 0.5, schedule="cubic"),
-                 "accepted: linear, cosine", model)
+                 "schedule='cubic' is not one of the choices; accepted: one of 'linear', 'cosine', or None.", model)
     expect_error("homotopy", "steps -1", lambda: ht.set_homotopy(model, 0.5, steps=-1), "accepted: an integer >= 0", model)
     expect_error("homotopy", "unpatched model", lambda: ht.set_homotopy(make_tiny("llama"), 0.5), "not patched")
     expect_ok("homotopy", "get_homotopy of an unpatched model is None", lambda: ht.get_homotopy(make_tiny("llama")) is None)
@@ -503,7 +573,8 @@ def update_config_cases():
 def register_cases():
     names = dict(layers="model.layers", input_norm=None, attention=None, ffn_norm="post_attention_layernorm", mlp="mlp")
     for field, value in [("model_type", 123), ("model_type", ""), ("layers", None), ("ffn_norm", 3), ("mlp", ["mlp"]),
-                         ("parallel", "yes"), ("fused_ffn_in", "mlp.up_proj"), ("source", "guessed")]:
+                         ("parallel", "yes"), ("fused_ffn_in", "mlp.up_proj"), ("source", "guessed"), ("mlp", "  "),
+                         ("fused_ffn_in", ("mlp.up_proj", ""))]:
         fields = {"model_type": "hostile_type", **names, field: value}
         expect_error("register", f"{field}={value!r}", lambda f=fields: ht.register_architecture(**f),
                      f"ArchitectureSpec.{field}")
@@ -574,7 +645,7 @@ def heal_cases(tmp: Path, folder: Path):
                             (dict(temperature=1e308), "temperature=1e+308 is out of range; accepted: a number > 0 and <= 100"),
                             (dict(lm_weight=1.5), "lm_weight=1.5 is out of range"), (dict(method="qlora"), "accepted: one of 'lora', 'full'"),
                             (dict(homotopy_fraction=-0.5), "homotopy_fraction=-0.5 is out of range"),
-                            (dict(schedule="cubic"), "accepted: linear, cosine")]:
+                            (dict(schedule="cubic"), "schedule='cubic' is not one of the choices; accepted: one of 'linear', 'cosine'.")]:
         expect_error("heal", f"HealSettings({fields})", lambda f=fields: HealSettings(**f), message)
     args = HealTrainingArguments(output_dir=str(tmp / "heal"), max_steps=2, use_cpu=True)
     text = ht.TextSource(text_files=(str(AUSTEN / "emma.txt"),), calibration_files=(str(AUSTEN / "prideprejudice.txt"),))
@@ -1184,7 +1255,7 @@ def remote_code_cases(tmp: Path):
     expect_ok("remote_code", "the layers are found", lambda: [c.index for c in ht.tangent_layers(model)] == [0, 1, 2])
     expect_ok("remote_code", "get_config is a read-only TangentConfig",
               lambda: isinstance(ht.get_config(model), ht.TangentConfig) and ht.get_config(model).is_frozen)
-    for value, message in [(1.5, "accepted: a number in [0, 1]"), (float("nan"), "accepted: a number in [0, 1]"),
+    for value, message in [(1.5, "accepted: a number >= 0 and <= 1 or a mapping."), (float("nan"), "accepted: a number >= 0 and <= 1 or a mapping."),
                            ({0: 0.5}, "accepted: exactly the patched layers")]:
         expect_error("remote_code", f"set_homotopy {value!r}", lambda v=value: ht.set_homotopy(model, v), message, model)
     expect_error("remote_code", "update_config beta=2", lambda: ht.update_config(model, update="soft", beta=2.0),
@@ -1213,6 +1284,7 @@ def remote_code_cases(tmp: Path):
 # group -> its cases (a function of a scratch folder and the tiny model folder)
 GROUPS = {
     "config": lambda tmp, folder: config_cases(),
+    "numbers": lambda tmp, folder: number_cases(tmp),
     "patch": lambda tmp, folder: patch_cases(),
     "behaviour": lambda tmp, folder: behaviour_cases(),
     "reload": lambda tmp, folder: reload_cases(tmp),

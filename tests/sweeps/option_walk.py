@@ -9,7 +9,7 @@ means). An options object a recipe function takes (TangentTrainingArguments, Hea
 also made valid, then changed field by field to NaN / a wrong type, and passed: the function checks
 it again. run_study(overrides=) is probed key by key like an option of the key's type. A probe is
   ok     accepted, and documented: its Range accepts it (the Range's words are what the error of a
-         refused value says), or MEANINGFUL names it (options validated by their own code);
+         refused value says; TangentConfig's too, checked by the same core/options.py);
   clear  refused with one RangeError (OptionTypeError for a type) naming the option, the value and
          what is accepted, before any work: the API functions are called with a model name that does
          not exist, so a value checked late would end in a model-loading error instead.
@@ -42,28 +42,10 @@ WRONG_TYPES = ("fast", 3, [1], {"x": 1}, 2.5)  # the first one the option's type
 REQUIRED = {"model": MISSING_MODEL, "tangent": ht.TangentConfig(update="projected"), "study": "noise"}
 # Extra arguments that make an accepted value end at a cheap check after the options (not in a study or lm-eval's index)
 FAIL_FAST = {"run_study": {"scale_name": "no-such-scale"}, "lm_eval": {"include_path": "/nonexistent/tasks"}}
-# Values accepted by options that check themselves (TangentConfig), each with what it means (its help text).
-MEANINGFUL = {
-    ("TangentConfig", "beta", 0): "soft update with beta=0: y unchanged (the range is [0, 1])",
-    ("TangentConfig", "p", math.inf): "the exponential map (retraction='exp')",
-    ("TangentConfig", "alpha", 0): "residual multiplier 0: the FFN update is dropped (|alpha| <= 1e6)",
-    ("TangentConfig", "alpha", -1): "residual multiplier -1 (|alpha| <= 1e6)",
-    ("TangentConfig", "gamma", 0): "no tangent noise",
-    ("TangentConfig", "layers", (0,)): "layer 0",
-    ("TangentConfig", "layers", (-1,)): "the last layer (negative counts from the end)",
-    ("TangentConfig", "parallel_layers", (0,)): "layer 0",
-    ("TangentConfig", "parallel_layers", (-1,)): "the last layer (negative counts from the end)",
-    ("TangentConfig", "parallel_layers", ()): "the default: no layer converted to a parallel block",
-    ("TangentConfig", "layers", ()): "no layer's update rule changed (a config of parallel_layers only)",
-    ("TangentConfig", "noise_rank", 10**400): "an integer >= 1 (the rank the drift field is built with)",
-    ("TangentConfig", "layers", (10**400,)): "a layer index: checked against the model when the patch is applied",
-    ("TangentConfig", "parallel_layers", (10**400,)): "a layer index: checked against the model when the patch is applied",
-}
 # Options with no annotation (so no type check) fail the walk; these wait for their owner's file:
 # lm_eval lives in hf_tangent/experiments/downstream.py (the lm-eval work), as does its `dtype: str`.
 UNANNOTATED_PENDING: set[str] = set()
 DTYPE_PENDING: set[str] = set()
-SELF_CHECKED = (ht.TangentConfig,)  # dataclasses with their own validation (config.py) instead of ranges.py
 # the recipe function each command calls (a CLI option with the same name must say what the API says)
 COMMAND_FUNCTIONS = {"eval": "evaluate_rules", "calibrate": "calibrate_gates", "finetune": "finetune",
                      "diagnose": "diagnose_layers", "ablate": "ablate", "sensitivity": "layer_sensitivity",
@@ -82,7 +64,7 @@ class Case:
     owner: str  # function / class / command name
     option: str
     value: typing.Any
-    accepted: str | None  # what the option accepts (None: a self-checked option)
+    accepted: str  # what the option accepts
     refused: bool  # the value must be refused
     run: typing.Callable  # () -> (outcome, detail)
 
@@ -124,12 +106,6 @@ def options_dataclasses() -> dict[str, type]:
 
 
 def _fields(cls) -> dict:
-    """The options of a dataclass: ranges.options_of, or for a self-checked class its numeric fields."""
-    if cls in SELF_CHECKED:
-        hints = typing.get_type_hints(cls)
-        from hf_tangent.ranges import Option
-
-        return {f.name: Option(f.name, hints[f.name]) for f in dataclasses.fields(cls) if numeric(hints[f.name])}
     return options_of(cls)
 
 
@@ -157,17 +133,17 @@ def _refused(option, value) -> bool:
 
 def _type_checks_all(cls) -> bool:
     """Whether a dataclass checks the type of every field (TrainingArguments: only the numeric ones)."""
-    return getattr(cls, "RANGES_ALL_TYPES", True) and cls not in SELF_CHECKED
+    return getattr(cls, "RANGES_ALL_TYPES", True)
 
 
 # ----------------------------------------------------------------------------- one probe
-def _clear(err: Exception, option: str, value, accepted: str | None) -> tuple[str, str]:
+def _clear(err: Exception, option: str, value, accepted: str, owner: str = "") -> tuple[str, str]:
+    """One RangeError that names the option (an options class may name itself: `TangentConfig.beta`), the
+    value and what the option accepts."""
     text = str(err)
-    if accepted is None:  # a self-checked option: its own words
-        good = f"{option}={value!r}" in text and "accepted:" in text
-    else:
-        good = isinstance(err, RangeError) and err.name == option and err.accepted == accepted and \
-            f"{option}={shown(value)}" in text
+    name = getattr(err, "name", None)
+    good = isinstance(err, RangeError) and name in (option, f"{owner}.{option}") and err.accepted == accepted and \
+        f"{name}={shown(value)}" in text
     return ("clear" if good else "unclear"), f"{type(err).__name__}: {text}"
 
 
@@ -196,9 +172,7 @@ def _api_case(fname, function, option, value) -> Case:
 
 
 def _dataclass_case(cls, option, value, scratch: Path) -> Case:
-    own = cls in SELF_CHECKED
-    key = (cls.__name__, option.name, tuple(value) if isinstance(value, list) else value)
-    refused = key not in MEANINGFUL if own else _refused(option, value)
+    refused = _refused(option, value)
     base = {"output_dir": str(scratch / "out")} if "output_dir" in {f.name for f in dataclasses.fields(cls)} else {}
 
     def run():
@@ -206,15 +180,15 @@ def _dataclass_case(cls, option, value, scratch: Path) -> Case:
             cls(**{**base, option.name: value})
         except (ValueError, TypeError) as err:
             if refused:
-                return _clear(err, option.name, value, None if own else option.accepted)
+                return _clear(err, option.name, value, option.accepted, cls.__name__)
             if not isinstance(err, RangeError) and option.name in str(err):  # the class's own cross-field check
                 return "ok", f"accepted by its range; then {type(err).__name__}: {err}"
             return "silent wrong", f"an accepted value refused: {type(err).__name__}: {err}"
         except Exception as err:  # noqa: BLE001
             return "crash", f"{type(err).__name__}: {err}"
-        return ("silent wrong", "accepted") if refused else ("ok", MEANINGFUL.get(key, "accepted by its range"))
+        return ("silent wrong", "accepted") if refused else ("ok", "accepted by its range")
 
-    return Case("dataclass", cls.__name__, option.name, value, None if own else option.accepted, refused, run)
+    return Case("dataclass", cls.__name__, option.name, value, option.accepted, refused, run)
 
 
 def _cli_case(command, option, value, scratch: Path, recipe: bool, dests) -> Case:
@@ -248,7 +222,7 @@ def _cli_case(command, option, value, scratch: Path, recipe: bool, dests) -> Cas
         lines = err.getvalue().strip().splitlines()
         last = lines[-1] if lines else ""
         dashed = option.name.replace("_", "-")
-        named = f"--{dashed}" in last or f"--{option.name}" in last or f"key {option.name!r}" in last
+        named = f"--{dashed}" in last or f"--{option.name}" in last or f": {option.name}=" in last
         if code != 2:
             return ("silent wrong" if code == 0 else "crash"), f"exit {code}: {last}"
         good = last.startswith(f"hf-tangent {command}: error: ") and named and f"{option.accepted}." in last
@@ -313,7 +287,7 @@ def _changed_object_cases() -> list[Case]:
 
 def _changed_case(fname, function, name, cls, field, value) -> Case:
     required = {p.name: REQUIRED[p.name] for p in inspect.signature(function).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
+                if p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD and p.name != name}
     qualified = f"{name}.{field.name}"
 
     def run():

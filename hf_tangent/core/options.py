@@ -1,0 +1,342 @@
+"""Valid values of options, checked one way for every door: the *type* an annotation names (an integer,
+a number, true/false, a string, a list of them, one of some choices, ...) and, for numbers, the *range*
+(`Range`: never NaN, nor +-inf unless it says what inf means). A refused value raises `RangeError` (a
+ValueError; `OptionTypeError`, also a TypeError, for the wrong type) naming the option, the value and
+what is accepted. A number is any `numbers.Real` but bool (numpy scalars, `Fraction`), kept as a Python
+int / float (`plain`); a 0-dim tensor or array is not one: it is refused by its type's name.
+
+Standard library only: `TangentConfig` uses it in a patched folder's remote code; hf_tangent.ranges
+builds the checks of every recipe function, options dataclass, command and recipe file on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Literal, Union
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """low <= value <= high (`open_low` / `open_high`: strict); None: unbounded. `integer`: an int.
+    NaN is never accepted; +-inf only with `allow_inf`, a note that says what inf means."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    integer: bool = False
+    allow_inf: str | None = None
+
+    def accepts(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        if isinstance(value, numbers.Integral):  # exact, however large: no float conversion (10**400)
+            value = int(value)
+            if not self.integer and not _fits_float(value):
+                return False  # a number option: an int beyond float range is no finite number
+        else:
+            try:
+                value = float(value)  # Fraction(10**400) is no finite number either
+            except OverflowError:
+                return False
+            if self.integer or math.isnan(value) or (math.isinf(value) and not self.allow_inf):
+                return False
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return False
+        return not (self.high is not None and (value >= self.high if self.open_high else value > self.high))
+
+    def describe(self) -> str:
+        bounded = self.low is not None and self.high is not None
+        kind = "an integer" if self.integer else "a number" if bounded or self.allow_inf else "a finite number"
+        low = None if self.low is None else f"{'>' if self.open_low else '>='} {_number(self.low)}"
+        high = None if self.high is None else f"{'<' if self.open_high else '<='} {_number(self.high)}"
+        text = " and ".join([f"{kind} {low or high or ''}".strip()] + ([high] if low and high else []))
+        return f"{text} (inf: {self.allow_inf})" if self.allow_inf else text
+
+
+def _fits_float(value: int) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _number(x) -> str:
+    return str(int(x)) if isinstance(x, int) else f"{x:g}"
+
+
+class RangeError(ValueError):
+    """A value outside its option's range; `name`, `value` and `accepted` for the caller's wording."""
+
+    problem = "is out of range"
+
+    def __init__(self, name: str, value, accepted: str):
+        self.name, self.value, self.accepted = name, value, accepted
+        super().__init__(f"{name}={shown(value)} {self.problem}; accepted: {accepted}.")
+
+    def as_option(self) -> str:
+        """The same error in command-line words: `--seq-len 1 is out of range; accepted: ...`."""
+        word = lambda v: shown(v) if isinstance(v, int) else str(v)  # noqa: E731  (10**400 by its size)
+        value = " ".join(map(word, self.value)) or "[]" if isinstance(self.value, (list, tuple)) else word(self.value)
+        return f"--{self.name.replace('_', '-')} {value} {self.problem}; accepted: {self.accepted}."
+
+
+def shown(value) -> str:
+    """A value as an error names it: its repr, or for an object with a long repr (a whole
+    TrainingArguments) its type only."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 40:  # 10**400: its size, not its digits
+        return f"{text[:12]}...({len(text.lstrip('-'))} digits)"
+    return text if len(text) <= 120 and "\n" not in text else f"<{type(value).__name__} object>"
+
+
+class OptionTypeError(RangeError, TypeError):
+    """A value of the wrong type for its option (a string for a number, a float for an integer, a 0-dim
+    tensor for a number: `.item()` is one)."""
+
+    def __init__(self, name: str, value, accepted: str, number: bool = False):
+        zero_dim = number and not isinstance(value, numbers.Number) and getattr(value, "ndim", None) == 0
+        self.problem = f"has the wrong type ({type(value).__name__}{', 0-dim: pass .item()' if zero_dim else ''})"
+        super().__init__(name, value, accepted)
+
+
+class ChoiceError(RangeError):
+    """A value of the right type that is none of the option's choices (dtype="float64")."""
+
+    problem = "is not one of the choices"
+
+
+class EmptyOptionError(RangeError):
+    """An empty list for an option where an empty list means nothing (seeds=[], variants=[], ...)."""
+
+    problem = "is empty"
+
+
+@typing.runtime_checkable
+class ProgressBar(typing.Protocol):
+    """A progress bar an entry updates as it goes: anything with `update(n)` (a tqdm bar)."""
+
+    def update(self, n=1): ...
+
+
+# ----------------------------------------------------------------------------- types
+_NONE = type(None)
+
+
+def _union_args(hint) -> tuple | None:
+    return typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else None
+
+
+def _sequence_item(hint):
+    """X of list[X] / tuple[X, ...] / Sequence[X]; None for anything else."""
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple, Sequence) or hint in (list, tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return args[0] if args else typing.Any
+    return None
+
+
+def _choices(hint) -> tuple:
+    """The values of the Literal(s) in `hint` (through unions)."""
+    union = _union_args(hint)
+    if union is not None:
+        return tuple(c for a in union for c in _choices(a))
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def _same_kind(value, choice) -> bool:
+    """True is not the choice 1, nor 1.0; a str subclass (numpy's str_) is a str."""
+    return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
+
+
+def matches(value, hint) -> bool:
+    """Whether `value` has the type `hint` says (unknown hints accept anything). A bool is not a
+    number, a str is not a list, an int is a float."""
+    if hint is typing.Any or isinstance(hint, (str, typing.TypeVar)):
+        return True
+    if hint is _NONE or hint is None:
+        return value is None
+    union = _union_args(hint)
+    if union is not None:
+        return any(matches(value, arg) for arg in union)
+    if typing.get_origin(hint) is Literal:
+        return any(value == arg and _same_kind(value, arg) for arg in typing.get_args(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    item = _sequence_item(hint)
+    if item is not None:
+        return isinstance(value, (list, tuple)) and all(matches(v, item) for v in value)
+    origin = typing.get_origin(hint) or hint
+    if isinstance(origin, type):
+        return isinstance(value, origin)
+    return True
+
+
+def _plural(text: str) -> str:
+    for single, plural in (("an integer", "integers"), ("a finite number", "finite numbers"), ("a number", "numbers"),
+                           ("a string", "strings"), ("true or false", "true or false values"), ("one of", "values among")):
+        if text.startswith(single):
+            return plural + text[len(single):]
+    return text
+
+
+def describe_type(hint, range: Range | None = None, nonempty: bool = False) -> str:
+    """What an option of type `hint` (and `range`) accepts, in words: `an integer >= 1, or None`."""
+    union = _union_args(hint)
+    if union is not None:
+        parts = [describe_type(a, range, nonempty) for a in union if a is not _NONE]
+        return " or ".join(parts) + (", or None" if _NONE in union else "")
+    if hint is _NONE or hint is None:
+        return "None"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if hint in (int, float) or (range is not None and hint in (typing.Any, inspect.Parameter.empty)):
+        return range.describe() if range is not None else ("an integer" if hint is int else "a finite number")
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if hint is os.PathLike:
+        return "a path"
+    if hint is ProgressBar:
+        return "a progress bar (an object with update(n), like tqdm)"
+    item = _sequence_item(hint)
+    if item is not None:
+        return ("a non-empty list of " if nonempty else "a list of ") + _plural(describe_type(item, range))
+    origin = typing.get_origin(hint) or hint
+    if origin is dict:
+        return "a mapping"
+    return f"a {getattr(origin, '__name__', str(origin))}"
+
+
+def numeric(hint) -> bool:
+    """Whether an option of type `hint` holds numbers (int, float, a list of them, or None)."""
+    union = _union_args(hint)
+    if union is not None:
+        return any(numeric(a) for a in union if a is not _NONE)
+    item = _sequence_item(hint)
+    return numeric(item) if item is not None else hint in (int, float)
+
+
+def listed(hint) -> bool:
+    """Whether an option of type `hint` takes a list (list[X], tuple[X, ...], or such | None)."""
+    union = _union_args(hint)
+    if union is not None:
+        return any(listed(a) for a in union)
+    return _sequence_item(hint) is not None
+
+
+def plain(value, hint):
+    """The value as it is kept: a numpy / other Integral or Real scalar (Fraction) as int / float, so
+    that reports, saved configs and torch see plain numbers; a str subclass (numpy's) as a str; a path
+    object as its str where a path is meant. The very object when nothing changes."""
+    if type(value) in (list, tuple):
+        items = [plain(v, hint) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+    if isinstance(value, bool) or type(value) in (int, float, str) or value is None:
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and numeric(hint):
+        return float(value)
+    if isinstance(value, os.PathLike) and matches("path", hint):
+        return os.fspath(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of a function or dataclass: its type (the annotation), its range (numbers) and,
+    for a list, what an empty one means (`empty`; None: an empty list is refused)."""
+
+    name: str
+    hint: typing.Any
+    range: Range | None = None
+    empty: str | None = "accepted"
+
+    @property
+    def nonempty(self) -> bool:
+        return listed(self.hint) and self.empty is None
+
+    @property
+    def accepted(self) -> str:
+        return describe_type(self.hint, self.range, self.nonempty)
+
+    def check(self, value, check_type: bool = True) -> None:
+        if check_type and not matches(value, self.hint):
+            if any(_same_kind(value, choice) for choice in _choices(self.hint)):
+                raise ChoiceError(self.name, value, self.accepted)
+            raise OptionTypeError(self.name, value, self.accepted, number=numeric(self.hint))
+        many = isinstance(value, (list, tuple)) and listed(self.hint)
+        if many and not value and self.nonempty:
+            raise EmptyOptionError(self.name, value, self.accepted)
+        if self.range is not None and value is not None:
+            for item in value if many else [value]:
+                if not self.range.accepts(item):
+                    raise RangeError(self.name, value, self.accepted)
+
+
+# ----------------------------------------------------------------------------- owners of options
+def hints_of(owner) -> dict:
+    try:
+        return typing.get_type_hints(owner)
+    except (NameError, TypeError) as err:  # never silently unchecked: an option without a readable type
+        raise TypeError(f"hf_tangent: the annotations of {getattr(owner, '__qualname__', owner)} do not "
+                        f"resolve ({err}); every option needs a type its checks can read.") from err
+
+
+def build_options(owner, names, ranges: dict, empty: dict, default, shared: dict | None = None) -> dict[str, Option]:
+    """The checked options among `names` of a function or dataclass: the type from the annotation, the
+    range from `ranges` (else `shared`, for a numeric option); a list option whose default is empty
+    takes an empty list as that default, another one only where `empty` says what it means."""
+    hints, out = hints_of(owner), {}
+    for name in names:
+        hint = hints.get(name, typing.Any)
+        limit = ranges.get(name, (shared or {}).get(name) if numeric(hint) or hint is typing.Any else None)
+        if hint is not typing.Any or limit is not None:
+            value = default(name) if listed(hint) else None
+            means = empty.get(name, "the default" if isinstance(value, (list, tuple)) and not value else None)
+            out[name] = Option(name, hint, limit, means)
+    return out
+
+
+def dataclass_options(cls, shared: dict | None = None) -> dict[str, Option]:
+    """The options of an options dataclass: its init fields, ranges in `RANGES`, empty lists in `EMPTY`."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+    def default(name):
+        field = fields[name]
+        if field.default is not dataclasses.MISSING:
+            return field.default
+        return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+
+    return build_options(cls, fields, getattr(cls, "RANGES", {}), getattr(cls, "EMPTY", {}), default, shared)
+
+
+def check_fields(obj, options: dict[str, Option], *, prefix: str = "", all_types: bool = True) -> None:
+    """Every field of `obj` with an option (`all_types=False`: only those with a range) checked, and
+    kept as a plain value (`plain`); `prefix` names the object in errors (`TangentConfig.beta=...`)."""
+    for name, option in options.items():
+        if all_types or option.range is not None:
+            value = getattr(obj, name)
+            (dataclasses.replace(option, name=prefix + name) if prefix else option).check(value)
+            kept = plain(value, option.hint)
+            if kept is not value:
+                setattr(obj, name, kept)
+
+
+own_options = functools.cache(dataclass_options)  # a class that checks itself (TangentConfig): once per class
