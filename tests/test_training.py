@@ -201,7 +201,7 @@ def test_two_process_run_matches_single_process_same_global_batch(tiny_lm_folder
     "extra, message",
     [
         (["--recipe", "RECIPE"], "key 'max_step' is not an option of `calibrate`"),
-        (["--dataset", "no-such/dataset-xyz"], "could not load dataset 'no-such/dataset-xyz'"),
+        (["--dataset", "no-such/dataset-xyz"], "the dataset 'no-such/dataset-xyz' (a hub dataset) needs the Hugging Face Hub"),
         (["--seq-len", "60", "--calibration-files", "SHORT"], "fewer than one window of seq_len=60"),
         (["--calibration-files", "EMPTY"], "hold no text"),
         (["--layers", "5"], "layer index 5 is out of range for a model with 2 layers"),

@@ -103,7 +103,7 @@ def test_compile_sees_one_op_and_no_graph_break(ids):
 
 
 def test_triton_refuses_noise_updates_and_names_the_alternative():
-    with pytest.raises(ValueError, match="TangentConfig.implementation='triton'.*'fused' or 'reference' for the noise"):
+    with pytest.raises(ValueError, match="TangentConfig.implementation='triton'.*'fused' or 'reference' for a noise update"):
         ht.TangentConfig(update="tangent_noise", implementation="triton")
 
 
