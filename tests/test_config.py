@@ -162,3 +162,21 @@ def test_a_0_dim_tensor_is_refused_by_name():
     with pytest.raises(OptionTypeError, match=r"has the wrong type \(Tensor, 0-dim: pass \.item\(\)\)"):
         ht.update_config(model, alpha=torch.tensor(0.5))
     assert ht.get_config(model).alpha == 1.0
+
+
+@pytest.mark.parametrize("p", ["1e400", " 2.0 ", "Infinity", "2"])
+def test_a_saved_p_is_a_number_or_the_inf_that_to_dict_writes(p):
+    """from_dict converted any string p with float(): a hand-edited record's "1e400" loaded as the exponential
+    map and " 2.0 " as Cayley. Only "inf", what to_dict writes for the exponential map, is read as a number."""
+    with pytest.raises(ValueError, match=r"TangentConfig\.p=.* has the wrong type \(str\); accepted: a number > 0"):
+        TangentConfig.from_dict({"update": "retract", "p": p})
+    saved = TangentConfig(update="retract", retraction="exp").to_dict()
+    assert saved["p"] == "inf" and math.isinf(TangentConfig.from_dict(saved).p)
+
+
+def test_noise_rank_has_an_upper_bound():
+    """noise_rank=2**63 was accepted and the first training forward failed inside torch.randn (overflow)."""
+    with pytest.raises(ValueError, match=r"TangentConfig\.noise_rank=9223372036854775808 is out of range; accepted: an "
+                                         r"integer >= 1 and <= 65536"):
+        TangentConfig(update="tangent_noise", noise_rank=2**63)
+    assert TangentConfig(update="tangent_noise", noise_rank=2**16).noise_rank == 2**16

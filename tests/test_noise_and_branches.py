@@ -37,6 +37,27 @@ def test_noise_is_exactly_off_in_eval_and_on_in_training(ids):
     ht.unpatch(model)
 
 
+def test_patching_a_model_in_eval_mode_gives_layers_in_eval_mode(ids):
+    """A model already in eval mode is patched and run without another .eval(): every noise rule is exactly
+    the unpatched model (the new patch modules started in training mode and added noise at inference); a model
+    in training mode gets training-mode patches, through ht.patch and ht.update_config alike."""
+    model = make_tiny("llama").eval()
+    with torch.no_grad():
+        reference = model(ids).logits
+    for update in ("tangent_noise", "gaussian_noise", "residual_dropout"):
+        ht.patch(model, ht.TangentConfig(update=update, gamma=0.5))
+        assert not any(m.training for m in model.modules()), update
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference), update
+        ht.update_config(model, gamma=0.25)
+        assert not any(m.training for m in model.modules()), update
+        ht.unpatch(model)
+    model.train()
+    ht.patch(model, ht.TangentConfig(update="tangent_noise", gamma=0.5))
+    assert all(layer.training for layer in ht.tangent_layers(model))
+    ht.unpatch(model)
+
+
 def test_tangent_noise_is_tangent_and_budgets_match():
     x, y = _xy()
     d, gamma, h = x.shape[-1], 0.03, 0.1

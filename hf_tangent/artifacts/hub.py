@@ -91,6 +91,16 @@ class {cls}(_Base):
     def is_custom_code(cls):  # transformers 5: the base's own code, so its buffers initialise as the base's (remote.py)
         return False
 
+    # transformers decides these by reading the source of the class's module (this one): the base's answers, so
+    # the attention and experts kernels are the base's (a MoE's grouped_mm experts in bfloat16), in any load order
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        return _Base._can_set_attn_implementation()
+
+    @classmethod
+    def _can_set_experts_implementation(cls):
+        return _Base._can_set_experts_implementation()
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         init_patched(self, config)

@@ -99,7 +99,7 @@ class TangentConfig:
     RANGES: ClassVar[dict[str, Range]] = {
         "beta": Range(0, 1), "p": Range(0, open_low=True, allow_inf="the exponential map, retraction='exp'"),
         "alpha": Range(-MAX_ALPHA, MAX_ALPHA), "eps": Range(FLOAT32_TINY, MAX_EPS), "gamma": Range(0, MAX_NOISE),
-        "noise_h": Range(0, MAX_NOISE, open_low=True), "noise_rank": Range(1, integer=True),
+        "noise_h": Range(0, MAX_NOISE, open_low=True), "noise_rank": Range(1, 2**16, integer=True),
         "layers": Range(integer=True), "parallel_layers": Range(integer=True)}  # negative: from the end
     EMPTY: ClassVar[dict[str, str]] = {"layers": "no layer's update rule changed (a config of parallel_layers only)"}
 
@@ -192,11 +192,8 @@ class TangentConfig:
                 stacklevel=2,
             )
         kwargs = {k: v for k, v in data.items() if k in known}
-        if isinstance(kwargs.get("p"), str):  # JSON writes inf as "inf"
-            try:
-                kwargs["p"] = float(kwargs["p"])
-            except ValueError:
-                pass  # refused by the check of p, by type
+        if kwargs.get("p") == "inf":  # JSON has no Infinity: to_dict writes it as "inf"; any other string is refused
+            kwargs["p"] = math.inf
         return cls(**kwargs)
 
     def to_json_string(self) -> str:

@@ -90,7 +90,28 @@ def _delegate(model, function: str, *args, **kwargs):
         raise ValueError(f"hf_tangent.{function}: the model's patch was made by the remote code of a folder saved with "
                          f"hf_tangent {version} ({owner.__name__}), which has no {function}; load the folder with "
                          "hf_tangent.from_pretrained to use this function on it.")
-    return target(model, *args, **kwargs)
+    try:
+        return target(model, *args, **kwargs)
+    except Exception as err:
+        own = _as_own_error(err, owner)
+        if own is err:
+            raise
+        raise own from err
+
+
+def _as_own_error(err: Exception, owner) -> Exception:
+    """An error of the owning copy's own classes (options.RangeError ...) as this copy's class of that name,
+    same message, so that `except hf_tangent...RangeError` catches it; any other error as it is."""
+    package, module = owner.__name__.rpartition(".")[0], type(err).__module__
+    if not module.startswith(package + "."):
+        return err
+    ours = getattr(sys.modules.get(f"{__package__}.{module[len(package) + 1:]}"), type(err).__name__, None)
+    if not (isinstance(ours, type) and issubclass(ours, Exception)):
+        return err
+    own = ours.__new__(ours)
+    own.args = err.args
+    vars(own).update(vars(err))
+    return own
 
 
 def _as_owner_config(owner, config):
@@ -215,6 +236,7 @@ def _remove(model, state: _PatchState) -> None:
 
 def _apply(model, state: _PatchState) -> None:
     for layer, child in state.children:
+        child.train(layer.training)  # a new module starts in training mode; the noise rules act only there
         layer.add_module(CHILD_NAME, child)
         child.install(layer)
     if state.config is not None:
@@ -406,6 +428,10 @@ def update_config(model, **changes):
                              f"the change patches layers {after}, which would leave layers without their lambda. "
                              "Set one lambda with hf_tangent.set_homotopy(model, value) first, or keep the layers.")
     lambdas = get_homotopy(base)
+    if homotopy is not None:  # refused here, before the model changes
+        parallel = new.resolve_parallel_layers(len(architecture_layers(base)))
+        _refuse_fused_blend(new, parallel, lambdas if isinstance(lambdas, dict) else dict.fromkeys(parallel, lambdas),
+                            "update_config")
     gates = {c.index: c.gate.detach().clone() for c in tangent_layers(base) if c.gate is not None}
     patch(base, new)
     with torch.no_grad():
@@ -509,12 +535,25 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
     HOMOTOPY_OPTIONS["schedule"].check(schedule)
     HOMOTOPY_OPTIONS["steps"].check(steps)
     steps = None if steps is None else int(steps)
+    _refuse_fused_blend(get_config(base), [c.index for c in children if c.parallel], values, "set_homotopy")
     for child in children:
         child.blend = values[child.index]
     uniform = len(set(values.values())) <= 1
     saved = next(iter(values.values()), 1.0) if uniform else {str(i): v for i, v in values.items()}
     record["homotopy"] = {"lambda": saved, "schedule": schedule, "steps": steps}
     return model
+
+
+def _refuse_fused_blend(config: TangentConfig, parallel, values: dict[int, float], call: str) -> None:
+    """Fused parallel execution computes the FFN's input projection from the block input in the attention's
+    GEMM; lambda < 1 makes the FFN read (1 - lambda) r + lambda h instead, which that GEMM cannot give."""
+    if config.parallel_execution != "fused":
+        return
+    blended = sorted(i for i in parallel if values.get(i, 1.0) != 1.0)
+    if blended:
+        raise ValueError(f"hf_tangent.{call}: homotopy lambda {[values[i] for i in blended]} on layers {blended}, which "
+                         "run with parallel_execution='fused' (one GEMM reads the block input); accepted: lambda 1 "
+                         "on those layers, or parallel_execution='hooks' for a blended parallel layer.")
 
 
 def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
