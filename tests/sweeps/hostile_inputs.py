@@ -87,7 +87,7 @@ def config_cases():
            ("beta", float("nan")), ("p", 0), ("p", -2), ("p", float("nan")), ("p", "fast"), ("alpha", float("inf")),
            ("alpha", 1e39), ("alpha", "1"), ("eps", 0), ("eps", -1e-6), ("eps", 1e-50), ("eps", 1e39),
            ("eps_mode", "scaled"), ("gamma", -1.0), ("gamma", 1e9), ("noise_h", 0), ("noise_rank", 0),
-           ("noise_rank", 2.5), ("branches", ()), ("branches", ("ffn", "ffn")), ("branches", ("mlp",)),
+           ("noise_rank", 2.5), ("noise_rank", 2**63), ("branches", ()), ("branches", ("ffn", "ffn")), ("branches", ("mlp",)),
            ("branches", "ffn"), ("layers", "0,1"), ("layers", [0, 1.5]), ("layers", [True]),
            ("parallel_layers", [None]), ("gates", "yes"), ("implementation", "triton-ish"),
            ("parallel_execution", "threads"), ("retraction", "slerp")]
@@ -373,6 +373,9 @@ def reload_cases(tmp: Path):
         "parallel_layers disagree": (lambda d: d["hf_tangent"].update(parallel_layers=[1]), "disagrees"),
         "beta out of range": (lambda d: d["hf_tangent"]["config"].update(beta=3.0), "TangentConfig.beta=3.0"),
         "p a word": (lambda d: d["hf_tangent"]["config"].update(p="fast"), "TangentConfig.p='fast'"),
+        "p '1e400' (a string float() reads as inf)": (lambda d: d["hf_tangent"]["config"].update(p="1e400"),
+                                                     "TangentConfig.p='1e400' has the wrong type (str)"),
+        "p ' 2.0 '": (lambda d: d["hf_tangent"]["config"].update(p=" 2.0 "), "TangentConfig.p=' 2.0 ' has the wrong type"),
         "config a list": (lambda d: d["hf_tangent"].update(config=[1]), "'hf_tangent.config' must be a dict"),
         "layer index out of range": (lambda d: d["hf_tangent"]["config"].update(layers=[0, 7]), "out of range"),
         "homotopy lambda 2": (lambda d: d["hf_tangent"].update(homotopy={"lambda": 2.0}), "'hf_tangent.homotopy' must be"),
@@ -523,6 +526,15 @@ def homotopy_cases():
         return torch.equal(logits(m), reference)
 
     expect_ok("homotopy", "lambda 0 is bit-identical to the unpatched model", endpoints)
+    fused = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", parallel_layers=[0],
+                                                         parallel_execution="fused"))
+    for value in (0.5, 0.0, {0: 0.9, 1: 1.0, 2: 1.0}):
+        expect_error("homotopy", f"lambda {value!r} on a fused parallel layer", lambda v=value: ht.set_homotopy(fused, v),
+                     "run with parallel_execution='fused' (one GEMM reads the block input); accepted: lambda 1", fused)
+    blended = ht.set_homotopy(ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", parallel_layers=[0])), 0.5)
+    expect_error("homotopy", "update_config to fused parallel execution at lambda 0.5",
+                 lambda: ht.update_config(blended, parallel_execution="fused"),
+                 "update_config: homotopy lambda [0.5] on layers [0]", blended)
 
 
 def disabled_cases():
