@@ -196,6 +196,34 @@ def test_a_destination_inside_the_source_is_refused_naming_both(tiny_lm_folder, 
     assert not (tmp_path / "full" / "sub").exists() and not (Path(tiny_lm_folder) / "patch").exists()
 
 
+def test_a_killed_conversion_of_an_offline_model_is_cleaned_by_the_next_one(tmp_path, monkeypatch, caplog):
+    """Review of issue 47: a killed conversion left ~540 MB (.smollm2-135m-XXXX) in the cache, never cleaned. Its
+    stage is named with the process id now, and the next conversion removes those of dead processes (logged),
+    never a running one's or a folder of another name."""
+    from hf_tangent.artifacts import checkpoints
+
+    monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
+    dead = _dead_pid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {f".smollm2-135m-{dead}-k1ll3d": False, f".gemma3-gguf-{dead}-abc": False,
+                 f".smollm2-135m-{sleeper.pid}-running": True, ".smollm2-135m-notes": True, "mine": True}
+        for name in names:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+
+        def stop():
+            raise RuntimeError("stopped before converting")
+
+        with caplog.at_level(logging.WARNING, logger="hf_tangent"), pytest.raises(RuntimeError, match="stopped"):
+            checkpoints._converted("smollm2-135m", stop)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items() if kept)
+    assert f"removed {tmp_path}/.smollm2-135m-{dead}-k1ll3d, left in the cache by an interrupted conversion" in caplog.text
+
+
 def test_the_stage_of_a_save_still_running_is_left_alone(tiny_lm_folder, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

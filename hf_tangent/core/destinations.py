@@ -223,7 +223,7 @@ def _sibling(target: Path, state: str) -> Path:
     return target.parent / f".{target.name}.hf_tangent-{state}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """A process of this id runs here (its leftovers may still be in use); this process's own are not."""
     if pid == os.getpid():
         return False
@@ -248,7 +248,7 @@ def leftovers(target: Path) -> dict[str, list[Path]]:
         match = _LEFTOVER.fullmatch(entry.name)
         if match is None or match["name"] != target.name or entry.is_symlink() or not entry.is_dir():
             continue
-        if not _alive(int(match["pid"])):
+        if not process_alive(int(match["pid"])):
             found[match["state"]].append(entry)
     for paths in found.values():
         paths.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
