@@ -117,23 +117,111 @@ def test_a_save_killed_between_its_renames_is_finished_by_the_next_loader(tiny_l
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
-def test_the_old_copy_an_earlier_release_left_is_rolled_back_by_the_next_save(tiny_lm_folder, tmp_path, caplog):
-    """0.3 left `.NAME.old-*` with no NAME after a kill between its renames, and later saves never
-    cleaned it (issue 47): now the next save moves it back (logged) before replacing it, and the next
-    loader does the same."""
-    old, new = _gated(tiny_lm_folder, 2.0), _gated(tiny_lm_folder, 0.5)
-    old.save_pretrained(tmp_path / "legacy")
-    os.rename(tmp_path / "legacy", tmp_path / ".model.old-89abcdef")
-    (tmp_path / ".model.staging-01234567").mkdir()
-    (tmp_path / ".model.staging-01234567" / "gates.safetensors").write_bytes(b"partial")
+def test_folders_named_like_an_earlier_releases_leftovers_are_never_touched(tiny_lm_folder, tmp_path):
+    """Review of issue 47: 0.3's leftover names (.NAME.old-ID, .NAME.staging-ID, ID 8 hex digits) are also a
+    user's names (.e.old-20240115: YYYYMMDD is 8 hex digits) and were treated as dead leftovers:
+    ht.from_pretrained('e') deleted the user's .e.old-20240115, save_patch(model, 'd') removed
+    .d.staging-12345678, and ht.from_pretrained('c') of a missing c moved .c.old-20240115 into c. Only names
+    with hf_tangent's mark and a process id are hf_tangent's; a load never moves or deletes anything else."""
+    model = _gated(tiny_lm_folder, 2.0)
+    model.save_pretrained(tmp_path / "e")
+    users = (".e.old-20240115", ".d.staging-12345678", ".c.old-20240115", ".e.staging-89abcdef")
+    for name in users:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "notes.txt").write_text(name)
+    assert torch.equal(_logits(ht.from_pretrained(tmp_path / "e")), _logits(model))
+    ht.save_patch(model, tmp_path / "d")
+    with pytest.raises(ValueError, match="c is not a saved model folder or hub repo"):
+        ht.from_pretrained(tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "d", "e"])
+    assert all((tmp_path / name / "notes.txt").read_text() == name for name in users)
+
+
+def test_a_resave_names_each_file_it_drops_that_hf_tangent_did_not_write(tiny_lm_folder, tmp_path, caplog):
+    """Review of issue 47: docs/serving.md's pattern (save the model, then the tokenizer beside it) followed by a
+    re-save of the model left no tokenizer and said nothing; save_hub_folder over a folder holding only the
+    user's README.md replaced it silently; a save with tokenizer= over the user's vocab.json / merges.txt
+    dropped them silently. A folder's tokenizer and card are still the ones saved with it (issue 47), but each
+    file dropped that an artifact does not consist of is named in a warning of the "hf_tangent" logger; the
+    order docs/serving.md gives (the tokenizer after the model's last save) keeps the tokenizer."""
+    from transformers import AutoTokenizer
+
+    model, tokenizer = _gated(tiny_lm_folder, 1.0), AutoTokenizer.from_pretrained(tiny_lm_folder)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    written = sorted(p.name for p in folder.iterdir() if p.name.startswith(("tokenizer", "special", "chat")))
     with caplog.at_level(logging.WARNING, logger="hf_tangent"):
-        assert torch.equal(_logits(ht.from_pretrained(tmp_path / "model")), _logits(old))
-    assert "was rolled back: the previous content moved back" in caplog.text and "(incomplete)" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
-    os.rename(tmp_path / "model", tmp_path / ".model.old-89abcdef")
-    new.save_pretrained(tmp_path / "model")
-    assert torch.equal(_logits(ht.from_pretrained(tmp_path / "model")), _logits(new))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+        model.save_pretrained(folder)
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and all(name in dropped[0] for name in written), (written, caplog.text)
+    assert f"replacing {folder} dropped" in dropped[0] and "save the tokenizer after the model's last save" in dropped[0]
+    tokenizer.save_pretrained(folder)  # the documented order: the tokenizer after the model's last save
+    assert len(AutoTokenizer.from_pretrained(folder)) == len(tokenizer)
+
+    caplog.clear()
+    (tmp_path / "card").mkdir()
+    (tmp_path / "card" / "README.md").write_text("my own notes")
+    (tmp_path / "card" / "vocab.json").write_text("{}")
+    (tmp_path / "card" / "merges.txt").write_text("#version: 0.2\n")
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        ht.save_hub_folder(model, tmp_path / "card", tokenizer=tokenizer)
+    assert "dropped README.md, merges.txt, vocab.json: not part of an hf_tangent artifact" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):  # the same tokenizer and card again: nothing lost
+        ht.save_hub_folder(model, tmp_path / "card", tokenizer=tokenizer)
+    assert "dropped" not in caplog.text
+
+
+def test_a_destination_inside_the_source_is_refused_naming_both(tiny_lm_folder, tmp_path, capsys):
+    """Review of issue 47: `hf-tangent export --patch P --output P/sub` wrote a complete folder inside the patch
+    repo, and a model loaded from a folder could be saved into a folder inside it."""
+    from hf_tangent import cli
+    from hf_tangent.core.destinations import DestinationError
+
+    model = _gated(tiny_lm_folder, 1.0)
+    patch = ht.save_patch(model, tmp_path / "patch", base_model=str(tiny_lm_folder))
+    before = sorted(p.name for p in patch.iterdir())
+    assert cli.main(["export", "--patch", str(patch), "--output", str(patch / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert f"'{patch / 'sub'}' is inside {patch.resolve()}, which this save reads from" in err, err
+    assert sorted(p.name for p in patch.iterdir()) == before
+    model.save_pretrained(tmp_path / "full")
+    loaded = ht.from_pretrained(tmp_path / "full")
+    with pytest.raises(DestinationError, match=rf"'{tmp_path}/full/sub' is inside {tmp_path.resolve()}/full, which "
+                                               "this save reads from"):
+        loaded.save_pretrained(tmp_path / "full" / "sub")
+    with pytest.raises(DestinationError, match="is inside"):
+        ht.save_patch(model, Path(tiny_lm_folder) / "patch")
+    assert not (tmp_path / "full" / "sub").exists() and not (Path(tiny_lm_folder) / "patch").exists()
+
+
+def test_a_killed_conversion_of_an_offline_model_is_cleaned_by_the_next_one(tmp_path, monkeypatch, caplog):
+    """Review of issue 47: a killed conversion left ~540 MB (.smollm2-135m-XXXX) in the cache, never cleaned. Its
+    stage is named with the process id now, and the next conversion removes those of dead processes (logged),
+    never a running one's or a folder of another name."""
+    from hf_tangent.artifacts import checkpoints
+
+    monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
+    dead = _dead_pid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {f".smollm2-135m-{dead}-k1ll3d": False, f".gemma3-gguf-{dead}-abc": False,
+                 f".smollm2-135m-{sleeper.pid}-running": True, ".smollm2-135m-notes": True, "mine": True}
+        for name in names:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+
+        def stop():
+            raise RuntimeError("stopped before converting")
+
+        with caplog.at_level(logging.WARNING, logger="hf_tangent"), pytest.raises(RuntimeError, match="stopped"):
+            checkpoints._converted("smollm2-135m", stop)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items() if kept)
+    assert f"removed {tmp_path}/.smollm2-135m-{dead}-k1ll3d, left in the cache by an interrupted conversion" in caplog.text
 
 
 def test_the_stage_of_a_save_still_running_is_left_alone(tiny_lm_folder, tmp_path):

@@ -65,6 +65,23 @@ def test_from_pretrained_of_a_hub_id_offline(kwargs):
                   advice="load a local folder instead")
 
 
+def test_the_advice_of_from_pretrained_is_true_for_that_call(monkeypatch):
+    """Review of issue 47: HF_HUB_OFFLINE=1 ht.from_pretrained('smollm2-135m') advised "an offline model name
+    (smollm2-135m, ...)", which only ht.load_model and --model take, and "a repo already in your cache loads with
+    HF_HUB_OFFLINE=1 set" where it was set already: the repo is not in the cache."""
+    from hf_tangent.artifacts import offline
+
+    text = offline_error(lambda: ht.from_pretrained("smollm2-135m"), what=r"ht\.from_pretrained\('smollm2-135m'\)",
+                         advice="load a local folder instead")
+    advice = text.split("Offline: ", 1)[1]
+    assert "offline model" not in advice and "gemma3-270m" not in advice, advice
+    assert "is not in your Hugging Face cache" in advice and "loads with HF_HUB_OFFLINE=1 set" not in advice, advice
+    monkeypatch.setattr(offline, "hub_offline", lambda: False)  # no network, HF_HUB_OFFLINE unset
+    advice = str(offline.hub_error("ht.from_pretrained('user/x')", "load", "ConnectError: no route")).split(
+        "Offline: ", 1)[1]
+    assert "a repo already in your Hugging Face cache loads with HF_HUB_OFFLINE=1 set" in advice, advice
+
+
 def test_a_patch_repo_whose_base_is_a_hub_id_offline(patched, tmp_path):
     ht.save_patch(patched[0], tmp_path / "patch", base_model="org/base-model")
     offline_error(lambda: ht.from_pretrained(tmp_path / "patch"), what=rf"ht\.from_pretrained\('{tmp_path}/patch'\)",
@@ -76,7 +93,7 @@ def test_load_model_export_and_datasets_offline(capsys):
     from hf_tangent.training.data import load_documents
 
     offline_error(lambda: ht.load_model("org/model"), what=r"the model 'org/model' \(not an offline name nor a local "
-                  r"folder: a hub id\)", advice="an offline model name (smollm2-135m")
+                  r"folder: a hub id\)", advice="name an offline model (smollm2-135m")
     offline_error(lambda: load_documents(dataset="wikitext-103"), what=r"the dataset 'wikitext-103' \(a hub dataset\)",
                   advice="--text-files")
     assert cli.main(["export", "--patch", "user/patch", "--output", "out"]) == 2

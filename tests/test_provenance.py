@@ -10,6 +10,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,11 +24,16 @@ from hf_tangent.experiments.report import Report
 
 
 def blake2b_of_parameters(model) -> str:
-    """The digest written out independently: every parameter's name, dtype, shape and raw bytes."""
+    """The digest written out independently: every parameter's name, dtype, shape and raw bytes, then the patch
+    record (None: not patched) and the config fields that change the computation, as sorted JSON."""
+    from hf_tangent.artifacts.identity import computation_config
+
     digest = hashlib.blake2b(digest_size=32)
     for name, param in model.named_parameters():
         digest.update(f"{name}:{param.dtype}:{tuple(param.shape)};".encode())
         digest.update(param.detach().contiguous().numpy().tobytes())
+    digest.update(json.dumps({"patch": getattr(model.config, "hf_tangent", None),
+                              "config": computation_config(model.config)}, sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -147,6 +153,58 @@ def test_merge_refuses_parts_scored_on_other_weights_naming_both(parts, tmp_path
     files.data["seconds"] += 1
     with pytest.raises(ValueError, match="the task 'austen_nextsentence' differs between"):
         ht.merge_lm_eval([a, same, files])
+
+
+def test_merge_refuses_one_base_patched_two_ways_naming_the_difference(parts):
+    """Review of issue 47: the weights digest covered the parameters only, so the same base patched with
+    update="projected" and with update="add" (other logits) gave one digest, and lm-eval-merge joined parts of
+    the two patches without a word. The digest now covers the patch record and the config's computation
+    fields, and the refusal names the field that differs; the same patch merges."""
+    from conftest import tiny_smollm2_llama
+
+    from hf_tangent.artifacts.identity import scored_weights
+
+    model, _ = tiny_smollm2_llama()
+    projected = scored_weights(ht.patch(model, ht.TangentConfig(update="projected")))
+    ht.unpatch(model)
+    added = scored_weights(ht.patch(model, ht.TangentConfig(update="add", layers=[1])))
+    assert projected["digest"] != added["digest"] and projected["patch"]["config"]["update"] == "projected"
+    assert projected["digest"] == blake2b_of_parameters(ht.patch(tiny_smollm2_llama()[0],
+                                                                 ht.TangentConfig(update="projected")))
+    a, b = Report("lm-eval", copy.deepcopy(parts["a"].data)), Report("lm-eval", copy.deepcopy(parts["same"].data))
+    a.data["weights"], b.data["weights"] = projected, added
+    with pytest.raises(ValueError, match=r"the parts scored different weights: .*; the patch differs: config.layers "
+                                         r"None in part 1 \(a Report object\) and \[1\] in part 2 \(a Report "
+                                         r"object\); config.update 'projected' in part 1 \(a Report object\) and "
+                                         r"'add' in part 2"):
+        ht.merge_lm_eval([a, b])
+    b.data["weights"] = copy.deepcopy(projected)  # the same patch of the same base: one measurement
+    assert ht.merge_lm_eval([a, b])["weights"] == projected
+    a.data["variant_weights"], b.data["variant_weights"] = {"healed": projected}, {"healed": added}
+    with pytest.raises(ValueError, match=r"the saved folder 'healed' differs between part 1 .*; the patch differs: "
+                                         r"config.layers None in part 1"):
+        ht.merge_lm_eval([a, b])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("weights", {"digest": 5}, "weights.digest is 5, not 64 hex digits"),
+    ("weights", "abc", "weights is str, not an object"),
+    ("versions", {"torch": 2}, "versions is {'torch': 2}, not an object of library -> version string"),
+    ("variant_weights", {"f": "x"}, "variant_weights['f'] is str, not an object"),
+    ("task_files", {"austen_lastword": 7}, "task_files['austen_lastword'] is 7, not 64 hex digits")])
+def test_malformed_provenance_is_refused_by_its_readers(parts, tmp_path, field, value, message):
+    """Review of issue 47: Report.load accepted {"weights": {"digest": 5}} and lm-eval-merge then ended in a
+    TypeError (digest[:16] of an int); both now refuse it naming the field and value."""
+    parts["a"].save(tmp_path / "a")
+    data = json.loads((tmp_path / "a" / "report.json").read_text(encoding="utf-8"))
+    data[field] = value
+    (tmp_path / "a" / "report.json").write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"report.json: a damaged 'lm-eval' report: its provenance is malformed "
+                                         rf"\(.*{re.escape(message)}"):
+        Report.load(tmp_path / "a" / "report.json")
+    with pytest.raises(ValueError, match=rf"merge_lm_eval: part 2 \(a Report object\) has malformed provenance "
+                                         rf"\(.*{re.escape(message)}"):
+        ht.merge_lm_eval([parts["same"], Report("lm-eval", data)])
 
 
 # ----------------------------------------------------------------------------- the small defects

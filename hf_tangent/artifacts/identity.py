@@ -17,6 +17,7 @@ import hashlib
 
 import torch
 
+from ..core.registry import CONFIG_KEY
 from ..core.wrappers import unwrap
 
 METHOD = "hf_tangent-2: blake2b over every base parameter's name, shape and every value, per precision"
@@ -128,17 +129,26 @@ def fingerprint(model) -> dict:
     return {"method": METHOD, "dtypes": found, "digests": weight_digests(model, recorded_precisions(found))}
 
 
-SCORED_METHOD = "blake2b-256 over every parameter's name, dtype, shape and bytes as held (gates and adapters included)"
+SCORED_METHOD = ("blake2b-256 over every parameter's name, dtype, shape and bytes as held (gates and adapters "
+                 "included), then the patch record and the config fields that change the computation, as JSON")
 
 
 def scored_weights(model) -> dict:
     """What a report records of the weights it scored: one digest over every parameter of the model as
-    it is (patch gates and LoRA adapters included, in the dtype held), the parameter count and dtypes.
-    Offloaded (meta) parameters cannot be read: the digest is then None, with the reason."""
-    params = list(unwrap(model).named_parameters())
+    it is (patch gates and LoRA adapters included, in the dtype held) and what else decides what they
+    compute (the hf_tangent patch record: rule, alpha, beta, layers, parallel layers, homotopy lambda; the
+    model config's computation fields), the parameter count, dtypes and the patch record itself (None:
+    not patched), so two reports of one base patched two ways differ and say where. Offloaded (meta)
+    parameters cannot be read: the digest is then None, with the reason."""
+    import json
+
+    base = unwrap(model)
+    params = list(base.named_parameters())
     meta = [n for n, p in params if p.is_meta]
+    record = getattr(base.config, CONFIG_KEY, None)
+    record = json.loads(json.dumps(record, default=str)) if isinstance(record, dict) else None
     found = {"method": SCORED_METHOD, "parameters": sum(p.numel() for _, p in params),
-             "dtypes": sorted({str(p.dtype).replace("torch.", "") for _, p in params})}
+             "dtypes": sorted({str(p.dtype).replace("torch.", "") for _, p in params}), "patch": record}
     if meta:
         return found | {"digest": None, "why_none": f"{len(meta)} parameters are offloaded (meta), e.g. {meta[0]}"}
     digest = hashlib.blake2b(digest_size=32)
@@ -148,7 +158,26 @@ def scored_weights(model) -> dict:
             flat = param.detach().reshape(-1)
             for chunk in flat.split(_CHUNK):
                 digest.update(chunk.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps({"patch": record, "config": computation_config(base.config)}, sort_keys=True,
+                             default=str).encode())
     return found | {"digest": digest.hexdigest()}
+
+
+def patch_differences(one, other) -> list[tuple[str, object, object]]:
+    """(field, one's value, other's value) where two patch records (scored_weights' "patch"; None: not
+    patched) differ, fields dotted (config.update, patched_layers, homotopy.lambda)."""
+    if one is None or other is None:
+        return [] if one is other else [("patch", "none" if one is None else "a patch", "none" if other is None else
+                                          "a patch")]
+
+    def flat(record, prefix=""):
+        if not isinstance(record, dict) or not record:
+            return {prefix[:-1]: record}
+        return {k: v for key, value in record.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    a, b = flat(one, "patch."), flat(other, "patch.")
+    return [(k[6:], a.get(k, "(absent)"), b.get(k, "(absent)")) for k in sorted(set(a) | set(b))
+            if a.get(k, "(absent)") != b.get(k, "(absent)")]
 
 
 def fingerprint_v1(model) -> str:

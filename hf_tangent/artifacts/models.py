@@ -56,7 +56,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
                 AutoModelForCausalLM.from_pretrained(name, **kwargs)
         else:
             try:
-                with needs_hub(f"the model {name!r} (not an offline name nor a local folder: a hub id)", "load"):
+                with needs_hub(f"the model {name!r} (not an offline name nor a local folder: a hub id)", "model"):
                     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
             except OSError as err:
                 raise RuntimeError(

@@ -20,10 +20,11 @@ ADVICE = {
             "'my-folder') or ht.save_hub_folder(model, 'my-folder', tokenizer=tokenizer) for a complete one) and push "
             "that folder from a machine with a network: ht.push_patch('my-patch', repo_id) or "
             "ht.push_to_hub('my-folder', repo_id)",
+    # ht.from_pretrained, hf-tangent export --patch, lm-eval's model_folders: a local folder or a hub repo
     "load": "load a local folder instead (one written by ht.save_patch or save_pretrained, or a copy of the repo; a "
-            "patch repo's base from a local copy: base_model='/path/to/base'), or an offline model name (smollm2-135m, "
-            "smollm2-135m-mistral, gemma3-270m); a repo already in your Hugging Face cache loads with "
-            "HF_HUB_OFFLINE=1 set",
+            "patch repo's base from a local copy: base_model='/path/to/base')",
+    # ht.load_model and --model take hf_tangent's offline model names as well
+    "model": "name an offline model (smollm2-135m, smollm2-135m-mistral, gemma3-270m) or a local folder instead",
     "dataset": "pass local UTF-8 text files (--text-files, or ht.TextSource(text_files=...)), or leave the text out "
                "for the offline default (the held-out Austen novels)",
 }
@@ -63,14 +64,18 @@ def unreachable(err: BaseException | None) -> str | None:
 
 
 def hub_error(call: str, kind: str, reason: str) -> HubUnavailableError:
+    cache = "" if kind not in ("load", "model") else (
+        "; the repo (or a file of it) is not in your Hugging Face cache, the only place a hub id is read from with "
+        "HF_HUB_OFFLINE set" if hub_offline() else "; a repo already in your Hugging Face cache loads with "
+        "HF_HUB_OFFLINE=1 set")
     return HubUnavailableError(f"hf_tangent: {call} needs {HUB}, which cannot be reached from here ({reason}). "
-                               f"Offline: {ADVICE[kind]}.")
+                               f"Offline: {ADVICE[kind]}{cache}.")
 
 
 @contextlib.contextmanager
 def needs_hub(call: str, kind: str):
     """Around a call that reaches the Hub: an error that comes from the Hub being unreachable becomes one
-    HubUnavailableError naming `call` and what to do offline (`kind`: push, load, dataset); any other error
+    HubUnavailableError naming `call` and what to do offline (`kind`: push, load, model, dataset); any other error
     passes unchanged."""
     try:
         yield

@@ -4,9 +4,9 @@ A writer (a patch repo, a complete patched folder, an export) writes into a new 
 or replaces an artifact that hf_tangent wrote there before, whole; nothing else. Refused, with
 the folder left byte-identical: `""`, `~`, the current folder and every folder above it, the home
 folder, a symlink, a mount point, a file in the way, a folder that does not allow writing, a
-protected folder (the model's own base, the source being read) or a folder that holds one, and a
-non-empty folder that is not an hf_tangent artifact or holds entries an hf_tangent artifact never
-has (a user's files are never deleted).
+protected folder (the model's own base, the source being read), a folder that holds one or lies
+inside one, and a non-empty folder that is not an hf_tangent artifact or holds entries an
+hf_tangent artifact never has (a user's files are never deleted).
 
 Every write is staged next to the target and is crash-consistent: after a kill at any point the
 target is its old content or the new one, complete. The steps, each one filesystem call:
@@ -20,8 +20,11 @@ target is its old content or the new one, complete. The steps, each one filesyst
 The next writer or loader of NAME (`recover`) finishes what a killed process left: a ready stage
 with no NAME is moved in, an old folder with no NAME is moved back, and every other leftover of
 a dead process (incomplete stages, ready stages that lost, old folders replaced) is removed; each
-with a log line. An artifact is replaced whole: no file of the earlier save survives (old shards,
-an old index, a record of the other kind, the tokenizer or card saved with it).
+with a log line. Only folders named as above (with the writer's process id) are touched: any other
+folder beside NAME may be a user's. An artifact is replaced whole: no file of the earlier save
+survives (old shards, an old index, a record of the other kind, the tokenizer or card saved with
+it); each dropped file that is not part of an artifact (a tokenizer, a card, Trainer state: maybe
+written by someone else) is named in a log line.
 
 Standard library only: this module ships in every patched folder's remote code.
 """
@@ -29,6 +32,7 @@ Standard library only: this module ships in every patched folder's remote code.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import inspect
 import json
 import logging
@@ -82,9 +86,10 @@ _NEIGHBOURS = {*_TOKENIZER_FILES, "README.md", "optimizer.pt", "scheduler.pt", "
                "training_args.bin"}
 _RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-# A stage, a ready stage or an old copy of NAME (module docstring); before 0.4: .NAME.staging-ID, .NAME.old-ID
+# A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: those of
+# releases before 0.4 (.NAME.old-ID, .NAME.staging-ID, ID 8 hex digits) cannot be told apart from a user's
+# folder (.NAME.old-20240115), so they are left alone.
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old)-(?P<pid>\d+)-[0-9a-f]{8}")
-_LEGACY_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<state>staging|old)-[0-9a-f]{8}")
 
 
 class DestinationError(ValueError):
@@ -175,8 +180,8 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
 
     Args:
         folder: where the caller will write (created if missing, replaced whole if an artifact).
-        protected: folders that must not be written over or contain the target's replacement
-            (the model's own base, the source being read); entries that are not folders are ignored.
+        protected: folders that must not be written over, hold the target or be held by it (the model's
+            own base, the source being read); entries that are not folders are ignored.
         writer: the caller's name for messages ("hf_tangent.save_patch").
     """
     text, target = plain_target(folder, writer)
@@ -184,10 +189,10 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
         if not other or not isinstance(other, (str, os.PathLike)) or not os.path.isdir(other):
             continue
         guarded = Path(other).resolve()
-        if target == guarded or target in guarded.parents:
-            raise DestinationError(f"{writer}: {text!r} " + ("is" if target == guarded else "holds")
-                                   + f" {guarded}, which this save reads from (the base model or the source); write "
-                                     "to another folder.")
+        if target == guarded or target in guarded.parents or guarded in target.parents:
+            where = "is" if target == guarded else "holds" if target in guarded.parents else "is inside"
+            raise DestinationError(f"{writer}: {text!r} {where} {guarded}, which this save reads from (the base model "
+                                   "or the source); write to a folder outside it.")
     for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -218,7 +223,7 @@ def _sibling(target: Path, state: str) -> Path:
     return target.parent / f".{target.name}.hf_tangent-{state}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """A process of this id runs here (its leftovers may still be in use); this process's own are not."""
     if pid == os.getpid():
         return False
@@ -240,11 +245,10 @@ def leftovers(target: Path) -> dict[str, list[Path]]:
     except OSError:
         return found
     for entry in entries:
-        match = _LEFTOVER.fullmatch(entry.name) or _LEGACY_LEFTOVER.fullmatch(entry.name)
+        match = _LEFTOVER.fullmatch(entry.name)
         if match is None or match["name"] != target.name or entry.is_symlink() or not entry.is_dir():
             continue
-        pid = match.groupdict().get("pid")
-        if pid is None or not _alive(int(pid)):
+        if not process_alive(int(match["pid"])):
             found[match["state"]].append(entry)
     for paths in found.values():
         paths.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
@@ -301,6 +305,7 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                 if _is_neighbour(entry.name) and entry.is_file() and not (staging / entry.name).exists() and not (
                         own_tokenizer and entry.name in _TOKENIZER_FILES):
                     shutil.copy2(entry, staging / entry.name)
+        dropped = _dropped(target, staging)
         ready = _sibling(target, "ready")
         os.replace(staging, ready)
         staging = ready
@@ -318,8 +323,23 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                               "could not be removed; delete it by hand.", stacklevel=3)
         else:
             os.replace(ready, target)  # a new folder, or over an empty one (one rename)
+        if dropped:
+            logger.warning("%s: replacing %s dropped %s: not part of an hf_tangent artifact (files saved beside it, "
+                           "maybe by someone else) and not written by this save; a folder's tokenizer and card are "
+                           "the ones saved with it (save the tokenizer after the model's last save, or use "
+                           "ht.save_hub_folder(model, folder, tokenizer=tokenizer)).", writer, target, ", ".join(dropped))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _dropped(target: Path, staging: Path) -> list[str]:
+    """The files of `target` that its replacement by `staging` loses and that are not part of an hf_tangent
+    artifact (a tokenizer, a card, Trainer state): what a user may have written. One the new content holds
+    byte for byte is not lost."""
+    if not target.is_dir():
+        return []
+    return [entry.name for entry in sorted(target.iterdir()) if entry.is_file() and _is_neighbour(entry.name)
+            and not ((staging / entry.name).is_file() and filecmp.cmp(entry, staging / entry.name, shallow=False))]
 
 
 class AtomicSave:

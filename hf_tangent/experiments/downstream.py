@@ -15,7 +15,7 @@ import torch
 
 from ..analysis.evaluation import update_variants
 from ..analysis.stats import bootstrap_interval, strata_mean
-from ..artifacts.identity import scored_weights
+from ..artifacts.identity import patch_differences, scored_weights
 from ..artifacts.loading import from_pretrained
 from ..artifacts.offline import hub_error, unreachable
 from ..artifacts.patch_repo import is_patch_repo, read_record
@@ -35,7 +35,7 @@ from ..integrations.harness.tasks import TASK_VERSION, TASKS, data_file
 from ..ranges import DType, at_least, validated
 from . import plots
 from .common import Clock, Model, Tokenizer, entry_point, environment, resolve_model
-from .report import Report, register_report
+from .report import Report, provenance_problems, register_report
 
 LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
 
@@ -540,18 +540,23 @@ def _check_provenance(parts: list[dict], names: list[str]) -> None:
     """The parts scored the same weights (the base, and each saved folder scored in several parts) with
     the same libraries and task files: refused otherwise, naming both parts and both values."""
     for part, name in zip(parts, names, strict=True):
-        missing = [key for key in PROVENANCE if not isinstance(part.get(key), dict)]
-        if missing or part["weights"].get("digest") is None:
+        missing = [key for key in PROVENANCE if part.get(key) is None]
+        if missing or (isinstance(part["weights"], dict) and part["weights"].get("digest") is None):
             raise ValueError(f"merge_lm_eval: {name} records no {', '.join(missing) or 'weights digest'} (a report "
                              "written before hf_tangent 0.4, or of offloaded weights), so nothing shows that its "
                              "numbers come from the same weights and software as the others; rerun that part.")
+        problems = provenance_problems(part)
+        if problems:
+            raise ValueError(f"merge_lm_eval: {name} has malformed provenance ({'; '.join(problems)}); accepted: a "
+                             "report as hf-tangent lm-eval wrote it.")
     first, first_name = parts[0], names[0]
     for part, name in zip(parts[1:], names[1:], strict=True):
         if part["weights"]["digest"] != first["weights"]["digest"]:
             raise ValueError(f"merge_lm_eval: the parts scored different weights: {first_name} "
-                             f"{first['weights']['digest'][:16]}... ({first['weights']['dtypes']}) and {name} "
-                             f"{part['weights']['digest'][:16]}... ({part['weights']['dtypes']}); accepted: parts of "
-                             "one measurement, on the same weights.")
+                             f"{first['weights']['digest'][:16]}... ({first['weights'].get('dtypes')}) and {name} "
+                             f"{part['weights']['digest'][:16]}... ({part['weights'].get('dtypes')})"
+                             f"{_patch_differences(first['weights'], part['weights'], first_name, name)}; accepted: "
+                             "parts of one measurement, on the same weights.")
         differ = sorted(k for k in set(first["versions"]) | set(part["versions"])
                         if first["versions"].get(k) != part["versions"].get(k))
         if differ:
@@ -564,10 +569,21 @@ def _check_provenance(parts: list[dict], names: list[str]) -> None:
             for label, value in part[key].items():
                 value = value.get("digest") if isinstance(value, dict) else value
                 if label in seen and seen[label][0] != value:
+                    patch = _patch_differences(seen[label][2], part[key][label], seen[label][1], name)
                     raise ValueError(f"merge_lm_eval: the {what} {label!r} differs between {seen[label][1]} "
-                                     f"({str(seen[label][0])[:16]}...) and {name} ({str(value)[:16]}...): other "
+                                     f"({str(seen[label][0])[:16]}...) and {name} ({str(value)[:16]}...){patch}: other "
                                      "weights or task files under the same name; accepted: parts of one measurement.")
-                seen.setdefault(label, (value, name))
+                seen.setdefault(label, (value, name, part[key][label]))
+
+
+def _patch_differences(one, other, one_name: str, other_name: str) -> str:
+    """"; the patch differs: ..." between two recorded weights whose patch records differ, else ""."""
+    if not all(isinstance(w, dict) and "patch" in w for w in (one, other)):
+        return ""  # a saved folder's files digest: its config.json, patch record included, is in the digest
+    differ = patch_differences(one["patch"], other["patch"])
+    return "; the patch differs: " + "; ".join(f"{k} {a!r} in {one_name} and {b!r} in {other_name}"
+                                               for k, a, b in differ[:4]) + (" ..." if len(differ) > 4 else "") \
+        if differ else ""
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

@@ -122,6 +122,9 @@ class Report:
         if not isinstance(kind, str) or kind not in MARKDOWN:
             raise ValueError(f"{path}: not an hf-tangent report (command={data.get('command')!r}; accepted: "
                              f"{', '.join(MARKDOWN)}).")
+        problems = provenance_problems(data)
+        if problems:
+            raise ValueError(f"{path}: a damaged {kind!r} report: its provenance is malformed ({'; '.join(problems)}).")
         try:
             MARKDOWN[kind](data)
         except KeyError as err:
@@ -129,6 +132,51 @@ class Report:
         except (TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
             raise ValueError(f"{path}: a damaged {kind!r} report ({type(err).__name__}: {err}).") from None
         return cls(kind, data)
+
+
+def _hex(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _digest_problems(key: str, entry) -> list[str]:
+    """A recorded digest (identity.scored_weights, a saved folder's files): a dict whose digest is 64 hex
+    digits, or None with the reason why."""
+    if not isinstance(entry, dict):
+        return [f"{key} is {type(entry).__name__}, not an object"]
+    digest = entry.get("digest")
+    if digest is None:
+        return [] if isinstance(entry.get("why_none"), str) else [f"{key}.digest is missing, with no why_none"]
+    out = [] if _hex(digest) else [f"{key}.digest is {digest!r}, not 64 hex digits"]
+    if "dtypes" in entry and not (isinstance(entry["dtypes"], list) and all(isinstance(d, str) for d in entry["dtypes"])):
+        out.append(f"{key}.dtypes is {entry['dtypes']!r}, not a list of dtype names")
+    if "patch" in entry and entry["patch"] is not None and not isinstance(entry["patch"], dict):
+        out.append(f"{key}.patch is {type(entry['patch']).__name__}, not an object (or null)")
+    if "parameters" in entry and (isinstance(entry["parameters"], bool) or not isinstance(entry["parameters"], int)
+                                  or entry["parameters"] < 0):
+        out.append(f"{key}.parameters is {entry['parameters']!r}, not a count")
+    return out
+
+
+def provenance_problems(data: dict) -> list[str]:
+    """What is malformed in a report's provenance fields, where present (common.environment, lm-eval's
+    variant_weights and task_files): each named with its value; [] when none is."""
+    out = []
+    if "weights" in data:
+        out += _digest_problems("weights", data["weights"])
+    versions = data.get("versions")
+    if "versions" in data and not (isinstance(versions, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in versions.items())):
+        out.append(f"versions is {versions!r}, not an object of library -> version string (or null)")
+    for key, check in (("variant_weights", lambda k, v: _digest_problems(f"variant_weights[{k!r}]", v)),
+                       ("task_files", lambda k, v: [] if v is None or _hex(v) else
+                        [f"task_files[{k!r}] is {v!r}, not 64 hex digits (or null)"])):
+        if key in data:
+            if not isinstance(data[key], dict):
+                out.append(f"{key} is {type(data[key]).__name__}, not an object")
+                continue
+            for label, value in data[key].items():
+                out += check(label, value)
+    return out
 
 
 def variants_table(rows: list[dict]) -> str:

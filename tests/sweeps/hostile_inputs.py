@@ -888,12 +888,20 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
         return torch.equal(logits(ht.from_pretrained(root / "p")), logits(new)) and [
             p.name for p in root.iterdir()] == ["p"]
 
-    def legacy_old_copy_rolled_back_by_the_next_save():
+    def users_folders_named_like_leftovers_untouched():
         root = tmp / "legacy"
-        ht.save_patch(gated(2.0), root / ".p.old-89abcdef")  # what 0.3 left after a kill between its renames
+        users = (".p.old-20240115", ".p.staging-12345678", ".q.old-89abcdef")  # 0.3's names, or a user's
+        for name in users:
+            (root / name).mkdir(parents=True)
+            (root / name / "notes.txt").write_text(name)
         ht.save_patch(gated(0.25), root / "p")
-        return [p.name for p in root.iterdir()] == ["p"] and torch.equal(
-            logits(ht.from_pretrained(root / "p")), logits(gated(0.25)))
+        loaded = ht.from_pretrained(root / "p")
+        try:
+            ht.from_pretrained(root / "q")  # missing: refused, and .q.old-* not moved in
+        except ValueError:
+            pass
+        return sorted(p.name for p in root.iterdir()) == sorted([*users, "p"]) and all(
+            (root / n / "notes.txt").read_text() == n for n in users) and torch.equal(logits(loaded), logits(gated(0.25)))
 
     def empty_folder_staged():
         from faults import Steps
@@ -942,8 +950,15 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
 
     expect_ok("artifacts", "a save killed between its renames is finished by the next loader (logged)",
               killed_between_renames_finished_by_the_loader)
-    expect_ok("artifacts", "0.3's .NAME.old-* left by a kill is rolled back by the next save",
-              legacy_old_copy_rolled_back_by_the_next_save)
+    expect_ok("artifacts", "a user's .NAME.old-20240115 / .NAME.staging-12345678 is never touched by a save or a load",
+              users_folders_named_like_leftovers_untouched)
+    inside = ht.save_patch(gated(), tmp / "src47")
+    from hf_tangent.artifacts.patch_repo import export_full_folder
+
+    expect_error("artifacts", "export of a patch repo into a folder inside it", lambda: export_full_folder(
+        inside, inside / "sub"), "is inside", kinds=(DestinationError,))
+    expect_error("artifacts", "save_patch into a folder inside the base's folder", lambda: ht.save_patch(
+        gated(), folder / "patch47"), "is inside", kinds=(DestinationError,))
     expect_ok("artifacts", "a save into an existing empty folder is staged (nothing written inside it in place)",
               empty_folder_staged)
     expect_ok("artifacts", "a re-save with another tokenizer, then without one, keeps none of the earlier tokenizer",
@@ -1039,11 +1054,21 @@ def lm_eval_cases(tmp: Path, folder: Path):
     other_software = copy.deepcopy(more.data)
     other_software["versions"]["lm_eval"] = "0.0.1"
     no_digest = {k: v for k, v in more.data.items() if k != "weights"}
+    from hf_tangent.artifacts.identity import scored_weights
+
+    other_patch = copy.deepcopy(more.data)  # the same base patched with another rule
+    other_patch["weights"] = scored_weights(ht.patch(LlamaForCausalLM.from_pretrained(folder), ht.TangentConfig()))
+    int_digest = copy.deepcopy(more.data)
+    int_digest["weights"]["digest"] = 5
     for case, data, message in [("merge_lm_eval of parts scored on other weights", other_weights,
                                  "the parts scored different weights"),
                                 ("merge_lm_eval of parts run with another lm-eval", other_software,
                                  "the parts ran other software: lm_eval"),
-                                ("merge_lm_eval of a part that records no weights digest", no_digest, "records no weights")]:
+                                ("merge_lm_eval of a part that records no weights digest", no_digest, "records no weights"),
+                                ("merge_lm_eval of the same base unpatched and patched", other_patch,
+                                 "the patch differs: patch 'none' in part 1"),
+                                ("merge_lm_eval of a part whose weights digest is 5", int_digest,
+                                 "weights.digest is 5, not 64 hex digits")]:
         expect_error("lm_eval", case, lambda d=data: ht.merge_lm_eval([part, Report("lm-eval", d)]), message)
     expect_error("lm_eval", "merge_lm_eval of a report with itself (a part twice)", lambda: ht.merge_lm_eval([part, part]),
                  "repeats a part already given")
@@ -1108,6 +1133,12 @@ def entries_cases(tmp: Path, folder: Path):
                  "an incomplete 'eval' report: field")
     expect_error("entries", "Report.load of a dict", lambda: Report.load({"command": "eval"}),
                  "expects the path of a report.json")
+    for field, value, message in [("weights", {"digest": 5}, "weights.digest is 5, not 64 hex digits"),
+                                  ("versions", ["torch"], "versions is ['torch'], not an object"),
+                                  ("task_files", {"t": 7}, "task_files['t'] is 7, not 64 hex digits")]:
+        (tmp / "prov.json").write_text(json.dumps({**_eval_report().data, field: value}))
+        expect_error("entries", f"Report.load of a report whose {field} is {value!r}",
+                     lambda: Report.load(tmp / "prov.json"), message)
     expect_error("entries", "TangentLayer('not a config', ...)", lambda: ht.TangentLayer(
         "not a config", 0, update=True, parallel=False), "accepted: a TangentConfig")
     small_vocab = tmp / "small_vocab"
