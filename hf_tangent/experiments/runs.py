@@ -62,8 +62,10 @@ def claim_run_folder(folder, *, writer: str = "hf_tangent", inputs: dict | None 
     path or paths) lie outside it (check_inputs). Refused like a destination (DestinationError)
     otherwise. Creates nothing."""
     text, target = plain_target(folder, writer)
-    if target.exists() and not target.is_dir():
-        raise DestinationError(f"{writer}: {text!r} is a file, not a folder; remove it or name another folder.")
+    existing = next(p for p in [target, *target.parents] if p.exists())  # where the run would create it
+    if not existing.is_dir():
+        raise DestinationError(f"{writer}: {text!r}" + ("" if existing == target else f": {existing}") +
+                               " is a file, not a folder; remove it or name another folder.")
     check_writable(text, target, writer)
     check_inputs(target, inputs or {}, writer, text)
     if not target.is_dir():
@@ -301,10 +303,10 @@ class RunFolder:
         return self.folder
 
     def _claim(self) -> None:
-        self.existed = self.folder.exists()
+        self.created = next((p for p in [*reversed(self.folder.parents), self.folder] if not p.exists()), None)
         self.earlier = recover_run_folder(self.folder, writer=self.writer, resume=self.resume)
         self.marked = (self.folder / MARK).is_file()
-        if not self.existed:
+        if self.created is not None:
             self.folder.mkdir(parents=True)
         _mark(self.folder, os.getpid())  # held: a second run is refused, and recovers nothing of this one
         if self.earlier is not None:  # an interrupted run resumed: its checkpoints stay, the rest of it goes
@@ -351,8 +353,12 @@ class RunFolder:
             _mark(self.folder, None)
         else:
             (self.folder / MARK).unlink(missing_ok=True)
-        if not self.existed and not any(self.folder.iterdir()):
-            self.folder.rmdir()
+        for path in [self.folder, *self.folder.parents] if self.created is not None else []:
+            if any(path.iterdir()):  # the folders the claim made, removed again where nothing else is in them
+                break
+            path.rmdir()
+            if path == self.created:
+                break
 
 
 def continues(folder, checkpoint) -> bool:
