@@ -124,8 +124,18 @@ def tiny_config(model_type: str, mamba_heads: bool = True):
     return cls(**_per_layer(values, n))
 
 
+# (model_type, transformers major version): the model's own forward does not finish here at the tiny size
+# (transformers 4.57.1's Falcon-H1 Mamba torch path: > 10 min and ~9 GB at 2 layers and d=64)
+NOT_BUILT = {("falcon_h1", 4): "transformers 4's Falcon-H1 torch forward takes > 10 min and ~9 GB at the tiny size"}
+
+
 def build(model_type: str):
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    reason = NOT_BUILT.get((model_type, int(transformers.__version__.split(".")[0])))
+    if reason:
+        raise RuntimeError(f"not built here: {reason}")
 
     try:
         config = tiny_config(model_type)

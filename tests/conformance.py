@@ -158,7 +158,10 @@ def _peft_alone(base, folder: Path) -> str | None:
     from peft import PeftModel
 
     with _quiet():
-        adapted = _with_lora(copy.deepcopy(base))
+        try:
+            adapted = _with_lora(copy.deepcopy(base))
+        except ValueError as err:  # PEFT refuses LoRA on some modules (Mamba's out_proj / conv1d)
+            return f"PEFT refuses LoRA on all linear layers of the unpatched model: {_error(err)[:160]}"
         ref = _logits(adapted)
         adapted.save_pretrained(folder)
         loaded = PeftModel.from_pretrained(copy.deepcopy(base), folder)

@@ -40,7 +40,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 import hf_tangent as ht  # noqa: E402
 from hf_tangent.core import destinations  # noqa: E402
 from hf_tangent.experiments.report import Report, register_report  # noqa: E402
-from hf_tangent.experiments.runs import RunFolder, recover_run_folder  # noqa: E402
+from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder  # noqa: E402
 
 IDS = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(0))
 
@@ -53,9 +53,10 @@ def snapshot(folder: Path):
 
 
 def leftovers(target: Path) -> list[str]:
-    """Hidden entries a writer of `target` may leave: beside it, and (a run folder) inside it."""
+    """Hidden entries a writer of `target` may leave: beside it, and (a run folder) inside it, but for the
+    mark every run folder keeps."""
     beside = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
-    inside = [p.name for p in target.iterdir() if p.name.startswith(".")] if target.is_dir() else []
+    inside = [p.name for p in target.iterdir() if p.name.startswith(".") and p.name != MARK] if target.is_dir() else []
     return beside + inside
 
 

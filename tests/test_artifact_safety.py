@@ -518,7 +518,7 @@ def test_recipe_output_folders_refuse_foreign_files(tmp_path):
     with pytest.raises(DestinationError, match=r"holds files no hf_tangent run writes \(thesis.tex\)"):
         claim_run_folder(tmp_path / "mine")
     (tmp_path / "run" / "checkpoint-20").mkdir(parents=True)
-    (tmp_path / "run" / "report.json").write_text("{}")
+    (tmp_path / "run" / "report.json").write_text('{"command": "calibrate"}')  # a run of a release before the mark
     assert claim_run_folder(tmp_path / "run") == (tmp_path / "run").resolve()
     assert not (tmp_path / "new").exists() and claim_run_folder(tmp_path / "new") and not (tmp_path / "new").exists()
 

@@ -80,10 +80,13 @@ def test_calibrate_checks_the_repo_id_before_any_work(tmp_path):
 
 
 def test_heal_and_finetune_check_their_run_folders_before_any_work(tmp_path):
+    from hf_tangent.experiments.runs import RunFolder
+
     args = _one_step(tmp_path)
-    patch_dir = Path(args.output_dir) / "runs" / "seed0" / "patch"
-    patch_dir.mkdir(parents=True)
-    (patch_dir / "mine.txt").write_text("x", encoding="utf-8")
+    with RunFolder(args.output_dir):  # an earlier run's folder, with a file of the user's in a patch folder
+        patch_dir = Path(args.output_dir) / "runs" / "seed0" / "patch"
+        patch_dir.mkdir(parents=True)
+        (patch_dir / "mine.txt").write_text("x", encoding="utf-8")
     with pytest.raises(ValueError, match=r"hf_tangent\.heal.*mine\.txt"):
         ht.heal(MISSING, ht.TangentConfig(update="projected"), seeds=[0], save_models=True, training_args=args)
     folder = Path(args.output_dir) / "runs" / "projected-seed0" / "patch"

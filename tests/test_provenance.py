@@ -259,3 +259,66 @@ def test_heal_refuses_a_temperature_whose_loss_overflows(tiny_lm_folder):
         HealSettings(temperature=1e308)
     assert cli.main(["heal", "--model", str(tiny_lm_folder), "--temperature", "1e308"]) == 2
     assert HealSettings(temperature=100.0).temperature == 100.0
+
+
+@pytest.mark.parametrize("recipe", ["calibrate", pytest.param("finetune", marks=pytest.mark.slow)])  # two runs: 7 s
+def test_a_training_report_records_the_text_it_read_not_the_files_at_its_end(recipe, tiny_lm_folder, tmp_path,
+                                                                            monkeypatch):
+    """calibrate and finetune read their text files again when the report was made (review finding 8): text
+    changed during training was recorded as if trained on, and a text that had become one document lost the
+    finished run ("training needs ... two documents"). The report records what was read."""
+    import importlib
+
+    from hf_tangent.training.data import documents_digest
+
+    files = [tmp_path / f"doc{i}.txt" for i in range(2)]
+    docs = [f"Document {i}. " + "It is a truth universally acknowledged, said Emma. " * 20 for i in range(2)]
+    for path, doc in zip(files, docs, strict=True):
+        path.write_text(doc, encoding="utf-8")
+    module = importlib.import_module(f"hf_tangent.experiments.{recipe}")  # (the package's `finetune` is the function)
+    real = module.train
+
+    def train_then_change_the_files(*args, **kwargs):
+        trainer = real(*args, **kwargs)
+        files[0].write_text("COMPLETELY DIFFERENT. " * 40, encoding="utf-8")
+        files[1].write_text("", encoding="utf-8")  # now one document: re-reading it raises
+        return trainer
+
+    monkeypatch.setattr(module, "train", train_then_change_the_files)
+    text = ht.TextSource(text_files=tuple(str(f) for f in files))
+    common = dict(text=text, seq_len=16, max_windows=1, train_windows=2)
+    out = str(tmp_path / "out")
+    if recipe == "calibrate":
+        report = ht.calibrate_gates(str(tiny_lm_folder), training_args=ht.TangentTrainingArguments(
+            output_dir=out, max_steps=1, per_device_train_batch_size=1, report_to=[]), progress=False, **common)
+    else:
+        report = ht.finetune(str(tiny_lm_folder), rules=["projected"], seeds=[0], lora=ht.LoraSettings(r=2),
+                             training_args=module.FinetuneTrainingArguments(output_dir=out, max_steps=1,
+                                                                            per_device_train_batch_size=1, report_to=[]),
+                             **common)
+    assert report["text_provenance"]["evaluation"] == documents_digest({"text": docs[1:]})  # the last 20 %
+    assert report["text_provenance"]["training"] == documents_digest({"text": docs[:1]})
+
+
+def test_the_lm_eval_task_files_are_replaced_in_one_rename(tmp_path, monkeypatch):
+    """task_folder rewrote the shared task YAML cache with a plain write (review finding 14): a process
+    reading it meanwhile, or a write that failed halfway, saw a truncated task. Now a failed write
+    leaves the earlier file whole and nothing else."""
+    from hf_tangent.integrations.harness import tasks
+
+    folder = tmp_path / "lm_eval_tasks"
+    folder.mkdir()
+    (folder / "austen_lastword.yaml").write_text("task: austen_lastword  # an earlier venv's data path\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    original = Path.write_text
+
+    def half_then_fail(self, data, *args, **kwargs):
+        original(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        tasks.task_folder(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    monkeypatch.undo()
+    assert sorted(p.name for p in tasks.task_folder(folder).iterdir()) == [f"{t}.yaml" for t in tasks.TASKS]

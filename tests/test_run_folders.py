@@ -18,8 +18,12 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import hf_tangent as ht
 from hf_tangent import cli
+from hf_tangent.core.destinations import DestinationError
 from hf_tangent.experiments.report import Report
-from hf_tangent.experiments.runs import RunFolder, recover_run_folder
+from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder
+
+# the mark every run leaves in its folder, as a run that ended leaves it (held by no process)
+ENDED = {MARK: b'{"hf_tangent": "run folder", "pid": null, "host": null}\n'}
 
 
 def _texts(austen_dir: Path, tmp_path: Path) -> tuple[str, str]:
@@ -50,8 +54,8 @@ def test_calibrate_rerun_without_the_full_model_leaves_no_model_of_the_first_run
     assert cli.main([*common, "--max-steps", "2", "--learning-rate", "0.01"]) == 0
     second = json.loads((out / "report.json").read_text())
     assert second["gates"] != first["gates"] and "model_folder" not in second
-    assert sorted(p.name for p in out.iterdir()) == ["gate_profile.png", "loss_curve.png", "patch", "report.json",
-                                                    "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [MARK, "gate_profile.png", "loss_curve.png", "patch",
+                                                    "report.json", "report.md"]
     card = (out / "patch" / "README.md").read_text()  # the kept patch repo says what made it
     assert f"hf_tangent {ht.__version__}, torch {torch.__version__}" in card
     assert f"Starting weights: blake2b {second['weights']['digest'][:16]}" in card
@@ -72,7 +76,7 @@ def test_heal_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(tiny_
     assert cli.main([*common, "--seeds", "0"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["seeds"] == [0] and sorted(p.name for p in (out / "runs").iterdir()) == ["seed0"]
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [MARK]
 
 
 def test_a_command_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(tmp_path):
@@ -88,21 +92,23 @@ def test_a_command_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(
         return 0
 
     out = tmp_path / "heal"
-    for seed in (0, 1):
-        (out / "runs" / f"seed{seed}" / "patch").mkdir(parents=True)
-        (out / "runs" / f"seed{seed}" / "patch" / "hf_tangent_patch.json").write_text("{}")
+    with RunFolder(out):
+        for seed in (0, 1):
+            (out / "runs" / f"seed{seed}" / "patch").mkdir(parents=True)
+            (out / "runs" / f"seed{seed}" / "patch" / "hf_tangent_patch.json").write_text("{}")
     assert in_run_folder(command)(argparse.Namespace(output_dir=str(out))) == 0
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["report.json", "report.md", "runs", "runs/seed0",
-                                                                       "runs/seed0/patch"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [MARK, "report.json", "report.md", "runs",
+                                                                       "runs/seed0", "runs/seed0/patch"]
 
 
 def _earlier_run(folder: Path) -> dict:
-    (folder / "patch").mkdir(parents=True)
-    (folder / "patch" / "hf_tangent_patch.json").write_text("{}")
-    (folder / "runs" / "seed1" / "checkpoint-4").mkdir(parents=True)
-    (folder / "runs" / "seed1" / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    (folder / "report.json").write_text('{"run": 1}')
-    (folder / "old_plot.png").write_bytes(b"png")
+    with RunFolder(folder):
+        (folder / "patch").mkdir(parents=True)
+        (folder / "patch" / "hf_tangent_patch.json").write_text("{}")
+        (folder / "runs" / "seed1" / "checkpoint-4").mkdir(parents=True)
+        (folder / "runs" / "seed1" / "checkpoint-4" / "trainer_state.json").write_text("{}")
+        (folder / "report.json").write_text('{"run": 1}')
+        (folder / "old_plot.png").write_bytes(b"png")
     return tree(folder)
 
 
@@ -117,7 +123,7 @@ def test_a_run_replaces_the_earlier_run_whole_and_a_failed_one_gives_it_back(tmp
     assert tree(folder) == before  # given back, byte for byte, and nothing of the failed run
     with RunFolder(folder):
         (folder / "report.json").write_text('{"run": 2}')
-    assert tree(folder) == {"report.json": b'{"run": 2}'}
+    assert tree(folder) == {**ENDED, "report.json": b'{"run": 2}'}
 
 
 def test_a_stopped_run_keeps_its_checkpoint_and_a_resumed_run_continues_it(tmp_path, caplog):
@@ -136,14 +142,15 @@ def test_a_stopped_run_keeps_its_checkpoint_and_a_resumed_run_continues_it(tmp_p
     with RunFolder(folder, resume=True):
         assert (folder / "checkpoint-2").is_dir() and not (folder / "patch").exists()
         (folder / "report.json").write_text('{"run": 2}')
-    assert tree(folder) == {"checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}", "report.json": b'{"run": 2}'}
+    assert tree(folder) == {**ENDED, "checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}",
+                            "report.json": b'{"run": 2}'}
     # stopped again, then a fresh run (no resume): the stopped run is rolled back, the earlier one replaced
     with pytest.raises(KeyboardInterrupt), RunFolder(folder):
         (folder / "checkpoint-9").mkdir()
         (folder / "checkpoint-9" / "trainer_state.json").write_text("{}")
         raise KeyboardInterrupt
     assert recover_run_folder(folder) is None and tree(folder) == {
-        "checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}", "report.json": b'{"run": 2}'}
+        **ENDED, "checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}", "report.json": b'{"run": 2}'}
     assert tree(folder) != before
 
 
@@ -154,7 +161,7 @@ def test_a_report_saved_into_a_folder_of_another_run_replaces_that_run(tmp_path)
     folder = tmp_path / "run"
     _earlier_run(folder)
     _small_report().save(folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["report.json", "report.md"]
+    assert sorted(p.name for p in folder.iterdir()) == [MARK, "report.json", "report.md"]
     with RunFolder(folder) as own:
         (own / "patch").mkdir()
         (own / "patch" / "hf_tangent_patch.json").write_text("{}")
@@ -170,6 +177,139 @@ def _small_report(**kwargs) -> Report:
                            "tokens_per_variant": 10, "seconds": 0.1, "rows": rows, "unpatched_is": "the model",
                            "device": "cpu", "dtype": "float32", "seed": 0, "threads": 1, "torch": "x",
                            "hf_tangent_version": "x", "python": "x", "peak_rss_gb": 0.1}, **kwargs)
+
+
+# ----------------------------------------------------------------------------- whose folder it is
+def _users_folder(folder: Path) -> dict:
+    """Files of the user's that merely have a run's names (review of issue 47, finding 1)."""
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "my_weights.txt").write_text("mine")
+    (folder / "runs").mkdir()
+    (folder / "runs" / "events").write_text("mine")
+    (folder / "README.md").write_text("# my notes")
+    (folder / "my_figure.png").write_bytes(b"png")
+    return tree(folder)
+
+
+def test_a_folder_of_the_users_files_with_a_runs_names_is_refused(tiny_lm_folder, tmp_path, capsys):
+    """They were claimed by name and deleted (an eval run, Report.save): now a folder is an earlier run's only
+    with the mark runs leave (or, from a release before it, a report.json of an hf_tangent command)."""
+    folder = tmp_path / "mine"
+    before = _users_folder(folder)
+    with pytest.raises(DestinationError, match=r"'.*mine' holds README.md, model, my_figure.png, runs, but is not an "
+                                               r"hf_tangent run's folder \(no \.hf_tangent-run\.json.*Accepted: a new or "
+                                               r"empty folder, or an earlier hf_tangent run's folder"):
+        _small_report().save(folder)
+    assert cli.main(["eval", "--model", str(tiny_lm_folder), "--output-dir", str(folder), "--max-windows", "1",
+                     "--seq-len", "16"]) == 2
+    assert "is not an hf_tangent run's folder" in capsys.readouterr().err
+    assert tree(folder) == before
+    legacy = tmp_path / "legacy"  # a run folder of a release before the mark: its report says so
+    (legacy / "patch").mkdir(parents=True)
+    (legacy / "report.json").write_text(json.dumps(_small_report().data))
+    _small_report().save(legacy)
+    assert sorted(p.name for p in legacy.iterdir()) == [MARK, "report.json", "report.md"]
+
+
+def test_a_folder_a_live_run_holds_is_refused_to_another_process(tmp_path, caplog):
+    """A second process saving into a folder whose run is still writing moved that run's files aside and
+    deleted them (review finding 2). Here the first run is a forked process inside its RunFolder."""
+    import os
+
+    folder = tmp_path / "held"
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the run holding the folder
+        try:
+            with RunFolder(folder):
+                (folder / "checkpoint-5").mkdir(parents=True)
+                (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
+                os.write(ready_w, b"x")
+                os.read(go_r, 1)
+                (folder / "report.json").write_text('{"by": "A"}')
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        held = tree(folder)
+        with pytest.raises(DestinationError, match=f"another run, pid {pid}, is writing into it; accepted: this "
+                                                   "folder once that run has ended, or another folder"):
+            _small_report().save(folder)
+        with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+            assert recover_run_folder(folder) is None  # its run is not over: nothing is recovered
+        assert f"another run, pid {pid}, is writing into it; nothing recovered" in caplog.text
+        assert tree(folder) == held
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+    assert tree(folder) == {**ENDED, "checkpoint-5": None, "checkpoint-5/trainer_state.json": b"{}",
+                            "report.json": b'{"by": "A"}'}
+    _small_report().save(folder)  # ended: the next run replaces it
+    assert sorted(p.name for p in folder.iterdir()) == [MARK, "report.json", "report.md"]
+
+
+def test_an_input_inside_the_output_folder_is_refused_before_anything_moves(tiny_lm_folder, tmp_path, capsys):
+    """`eval --model runs/latest/patch --output-dir runs/latest`: the claim moved the folder aside before --model
+    was read ("could not load model ... not a local folder"). Now refused, naming both, before anything moves."""
+    folder = tmp_path / "latest"
+    with RunFolder(folder):
+        ht.save_patch(ht.patch(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(),
+                               ht.TangentConfig(update="projected")), folder / "patch", base_model=str(tiny_lm_folder))
+        _small_report(run_folder=folder).save(folder)
+    before = tree(folder)
+    assert cli.main(["eval", "--model", str(folder / "patch"), "--output-dir", str(folder), "--max-windows", "1",
+                     "--seq-len", "16"]) == 2
+    assert f"--model {str(folder / 'patch')!r} lies inside the output folder {str(folder)!r}" in capsys.readouterr().err
+    assert cli.main(["lm-eval-merge", str(folder / "report.json"), "--output_dir", str(folder)]) == 2
+    assert f"a report to merge {str(folder / 'report.json')!r} lies inside" in capsys.readouterr().err
+    with pytest.raises(DestinationError, match=r"model= '.*latest/patch' lies inside the output folder"):
+        ht.calibrate_gates(str(folder / "patch"), training_args=ht.TangentTrainingArguments(output_dir=str(folder)))
+    assert tree(folder) == before
+
+
+def test_a_run_resumed_from_a_checkpoint_elsewhere_keeps_none_of_the_folders_checkpoints(tmp_path):
+    """calibrate --output_dir X --resume_from_checkpoint Y/checkpoint-2 kept run 1's X/checkpoint-4 beside a
+    report of 3 steps (review finding 6): only a run that continues the folder's own run keeps them."""
+    import argparse
+
+    from hf_tangent.experiments.runs import in_run_folder
+
+    def command(args):
+        (Path(args.output_dir) / "checkpoint-3").mkdir()
+        (Path(args.output_dir) / "checkpoint-3" / "trainer_state.json").write_text("{}")
+        return 0
+
+    other = tmp_path / "Y" / "checkpoint-2"
+    other.mkdir(parents=True)
+    (other / "trainer_state.json").write_text("{}")
+    out = tmp_path / "X"
+    with RunFolder(out):
+        (out / "checkpoint-4").mkdir(parents=True)
+        (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    assert in_run_folder(command)(argparse.Namespace(output_dir=str(out), resume_from_checkpoint=str(other))) == 0
+    assert sorted(p.name for p in out.iterdir()) == [MARK, "checkpoint-3"]
+    with RunFolder(out, resume="last"):  # continuing the folder's own run keeps them
+        assert (out / "checkpoint-3").is_dir()
+
+
+def test_a_stopped_run_says_how_to_get_the_earlier_run_back_and_that_works(tmp_path, caplog):
+    """After a stopped rerun the earlier run's patch and report were invisible to every loader, with no word
+    of where they were (review finding 5): the log names the hidden folder and the call that gives them back."""
+    folder = tmp_path / "run"
+    before = _earlier_run(folder)
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        with pytest.raises(KeyboardInterrupt), RunFolder(folder):
+            (folder / "checkpoint-2").mkdir()
+            (folder / "checkpoint-2" / "trainer_state.json").write_text("{}")
+            raise KeyboardInterrupt
+    assert "the earlier run's files in .hf_tangent-run-earlier-" in caplog.text
+    call = caplog.text.split('python -c "')[1].split('"')[0]
+    assert call == f"from hf_tangent.experiments.runs import recover_run_folder; recover_run_folder({str(folder)!r})"
+    exec(call, {})  # the line as a user runs it (in a fresh process it imports hf_tangent: seconds)
+    assert tree(folder) == before
 
 
 # ----------------------------------------------------------------------------- tokenizer files

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -123,16 +122,6 @@ def check_output_dir(path: str) -> None:
         claim_run_folder(path, writer="--output-dir")
     except DestinationError as err:
         raise CommandError(str(err)) from None
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise CommandError(f"--output-dir {path} is a file, not a folder.")
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CommandError(f"--output-dir {path}: {existing} is a file, not a folder.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise CommandError(f"--output-dir {path} is not writable ({existing} does not allow writing).")
 
 
 def check_text_files(*groups) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from .arguments import Checked, CommandError, add_command, dataclasses_of
+from .arguments import Checked, add_command, dataclasses_of
 
 
 @dataclass
@@ -26,11 +25,6 @@ def lm_eval_merge_command_parser(subparsers):
 def lm_eval_merge_command(args) -> int:
     from ..experiments.downstream import merge_lm_eval
 
-    (options,) = dataclasses_of(args.parser, args)
-    output = os.path.realpath(options.output_dir)
-    inputs = [os.path.realpath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in args.reports]
-    if output in inputs:
-        raise CommandError(f"--output_dir {options.output_dir} holds one of the reports to merge; accepted: another "
-                           "folder (the parts stay as they are).")
+    (options,) = dataclasses_of(args.parser, args)  # a report inside --output_dir: refused (runs.in_run_folder)
     merge_lm_eval(list(args.reports)).save(options.output_dir, echo=True)
     return 0

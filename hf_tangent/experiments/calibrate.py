@@ -39,6 +39,7 @@ from .common import (
     provenance_line,
     refuse_patched,
     resolve_model,
+    run_inputs,
     spread,
     stacked,
     text_windows,
@@ -47,7 +48,7 @@ from .report import PAPER_MEAN_GATES, Report, register_report, variants_table
 from .runs import RunFolder, claim_run_folder
 
 
-def _check_destinations(model, named, args, save_patch, save_model, push_to_hub) -> None:
+def _check_destinations(model, named, args, save_patch, save_model, push_to_hub, inputs) -> None:
     """Everything calibrate_gates writes, checked before it loads, patches or trains anything: the
     patch repo's base name, the repo id, the run folder (runs.claim_run_folder) and each folder
     (destinations.check_destination, with the base's own folder protected)."""
@@ -63,7 +64,7 @@ def _check_destinations(model, named, args, save_patch, save_model, push_to_hub)
         except HFValidationError as err:
             raise ValueError(f"hf_tangent.calibrate_gates: push_to_hub={push_to_hub!r} is not a hub repo id ({err}); "
                              "accepted: 'name' or 'namespace/name' (letters, digits, '-', '_', '.').") from None
-    claim_run_folder(args.output_dir, writer="hf_tangent.calibrate_gates(training_args.output_dir=)")
+    claim_run_folder(args.output_dir, writer="hf_tangent.calibrate_gates(training_args.output_dir=)", inputs=inputs)
     patch_folder = save_patch or (os.path.join(args.output_dir, "patch") if push_to_hub else None)
     for option, folder in (("save_patch", patch_folder), ("save_model", save_model)):
         if folder:
@@ -102,13 +103,16 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     args = training_args or TangentTrainingArguments()
     text = TextSource.of(text)
     writes_patch = bool(save_patch or push_to_hub)  # a patch repo, which records its base by name
-    _check_destinations(model, named, args, save_patch, save_model, push_to_hub)  # before any work
+    _check_destinations(model, named, args, save_patch, save_model, push_to_hub,  # before any work
+                        run_inputs(model, text, args))
     check_domain_shares(text, train_windows)
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, seed=args.seed)
     refuse_patched(model, "calibrate_gates")  # a model object is calibrated in place: patched with the gates
     weights = scored_weights(model)  # the weights the gates are calibrated on (the report holds the gates)
     tangent.resolve_layers(len(decoder_layers(model)))
-    held_out_domains, train_domains = text_windows(model, tokenizer, text, seq_len, max_windows, train_windows)
+    read = {}  # the text as read, for the report's provenance
+    held_out_domains, train_domains = text_windows(model, tokenizer, text, seq_len, max_windows, train_windows,
+                                                   read=read)
     held_out, train_set = stacked(held_out_domains), stacked(train_domains)
     batch = eval_batch_size if eval_batch_size is not None else args.per_device_eval_batch_size
     clock = Clock()
@@ -122,7 +126,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     patch(model, tangent)
     record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded
     freeze_all_but_gates(model)
-    with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates", resume=bool(args.resume_from_checkpoint),
+    with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates", resume=args.resume_from_checkpoint,
                    active=args.process_index == 0) as run_folder:  # the Trainer's checkpoints, maybe the patch
         trainer = train(model, lm_dataset(train_set), args)
         model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
@@ -139,7 +143,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
                         "gated_perplexity": gated["perplexity"]},
             "calibration": {"natural_nll": before["nll"], "gated_nll": after["nll"], "windows": len(probe)},
             "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
-            **environment(args.device.type, dtype, args.seed, model=weights, text=text, training=True),
+            **environment(args.device.type, dtype, args.seed, model=weights, text=text, read=read),
         }, run_folder=run_folder)
         card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)",
                 "training": training_card(report.data), "results": calibrate_results_markdown(report.data),

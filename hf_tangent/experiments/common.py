@@ -121,14 +121,26 @@ def check_domain_shares(text, train_windows: int) -> None:
 
 
 def text_windows(model, tokenizer, text, seq_len: int, max_windows: int, train_windows: int, *,
-                 every_domain: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 every_domain: bool = False, read: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(held-out, training) windows per domain of a TextSource: `max_windows` held-out windows per
     domain (`every_domain`: every held-out domain of the offline corpus, whatever trains), and
-    `train_windows` training windows in all, shared by the domains."""
-    held_out = domain_windows(model, tokenizer, text.evaluation_domains(training=True, every_domain=every_domain),
-                              seq_len, max_windows)
-    training = domain_windows(model, tokenizer, text.training_domains(), seq_len, train_windows, split=True)
-    return held_out, training
+    `train_windows` training windows in all, shared by the domains. `read` (a dict) gets the documents
+    read, {"evaluation": domain -> documents, "training": ...}, for the report's text provenance
+    (environment(read=)): the text the run used, not the files as they are when it ends."""
+    evaluation = text.evaluation_domains(training=True, every_domain=every_domain)
+    held_out = domain_windows(model, tokenizer, evaluation, seq_len, max_windows)
+    training = text.training_domains()
+    if read is not None:
+        read.update(evaluation=evaluation, training=training)
+    return held_out, domain_windows(model, tokenizer, training, seq_len, train_windows, split=True)
+
+
+def run_inputs(model, text, args) -> dict:
+    """What a training recipe reads from disk, for the run folder's check (runs.check_inputs): the model
+    by name, the text files, the checkpoint it resumes from."""
+    return {"model=": model if isinstance(model, str) else None, "text.text_files": text.text_files,
+            "text.calibration_files": text.calibration_files,
+            "training_args.resume_from_checkpoint": getattr(args, "resume_from_checkpoint", None)}
 
 
 def stacked(domains: dict[str, torch.Tensor]) -> torch.Tensor:

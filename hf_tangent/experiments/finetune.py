@@ -31,6 +31,7 @@ from .common import (
     entry_point,
     environment,
     resolve_model,
+    run_inputs,
     stacked,
     text_windows,
 )
@@ -137,7 +138,8 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
     lora = lora or LoraSettings()
     text = TextSource.of(text)
     names = ["unpatched", *[r for r in rules if r != "unpatched"]]
-    claim_run_folder(args.output_dir, writer="hf_tangent.finetune(training_args.output_dir=)")
+    claim_run_folder(args.output_dir, writer="hf_tangent.finetune(training_args.output_dir=)",
+                     inputs=run_inputs(model, text, args))
     if save_models:  # every folder a run will write, checked before any work
         base = model if isinstance(model, str) else str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         for seed in seeds:
@@ -147,10 +149,12 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
     check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     weights = scored_weights(first)  # the model every run starts from
-    held_out, training = map(stacked, text_windows(first, tokenizer, text, seq_len, max_windows, train_windows))
+    read = {}  # the text as read, for the report's provenance
+    held_out, training = map(stacked, text_windows(first, tokenizer, text, seq_len, max_windows, train_windows,
+                                                   read=read))
     dataset = lm_dataset(training)
     clock = Clock()
-    with RunFolder(args.output_dir, writer="hf_tangent.finetune", resume=bool(args.resume_from_checkpoint),
+    with RunFolder(args.output_dir, writer="hf_tangent.finetune", resume=args.resume_from_checkpoint,
                    active=args.process_index == 0):  # runs/<rule>-seed<k>: checkpoints, saved models
         runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
                      eval_batch_size, dtype, save_models) for seed in seeds for rule in names]
@@ -161,7 +165,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
         "training": training_summary(args) | {
             "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if method == "lora" else None},
         "summary": finetune_summary(runs), "runs": runs, "seconds": clock.seconds,
-        **environment(args.device.type, dtype, args.seed, model=weights, text=text, training=True),
+        **environment(args.device.type, dtype, args.seed, model=weights, text=text, read=read),
     }, run_folder=os.path.abspath(args.output_dir))
 
 

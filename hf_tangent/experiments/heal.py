@@ -40,6 +40,7 @@ from .common import (
     provenance_line,
     refuse_patched,
     resolve_model,
+    run_inputs,
     stacked,
     text_windows,
     versions,
@@ -225,7 +226,8 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     args = training_args or HealTrainingArguments()
     text = TextSource.of(text).with_default_corpus("mixed")
     base_name = model if isinstance(model, str) else None  # what a patch repo records as its base
-    claim_run_folder(args.output_dir, writer="hf_tangent.heal(training_args.output_dir=)")
+    claim_run_folder(args.output_dir, writer="hf_tangent.heal(training_args.output_dir=)",
+                     inputs=run_inputs(model, text, args))
     for seed in seeds:  # every folder a run will write, checked before any work
         run_dir = os.path.join(args.output_dir, "runs", f"seed{seed}")
         if save_models and settings.method == "lora":
@@ -235,16 +237,17 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     check_domain_shares(text, train_windows)
     first, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype)
     refuse_patched(first, "heal")  # a saved patched folder, loaded by name
-    provenance = {"versions": versions(), "weights": scored_weights(first),  # the model every run starts from
-                  "text_provenance": text.provenance(training=True, every_domain=True)}
     _check_schedule(settings, tangent, args, len(decoder_layers(first)))
+    read = {}  # the text as read, for the report's provenance
     held_out_domains, train_domains = text_windows(first, tokenizer, text, seq_len, max_windows, train_windows,
-                                                   every_domain=True)
+                                                   every_domain=True, read=read)
+    provenance = {"versions": versions(), "weights": scored_weights(first),  # the model every run starts from
+                  "text_provenance": text.provenance(read=read)}
     held_out, dataset = stacked(held_out_domains), lm_dataset(stacked(train_domains))
     clock = Clock()
     unpatched_windows = _nll(first, held_out)
     unpatched = unpatched_windows["nll"]
-    with RunFolder(args.output_dir, writer="hf_tangent.heal", resume=bool(args.resume_from_checkpoint),
+    with RunFolder(args.output_dir, writer="hf_tangent.heal", resume=args.resume_from_checkpoint,
                    active=args.process_index == 0):  # runs/seed<k>: checkpoints, saved models
         runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models,
                      save_full_models, base_name, prompt, max_new_tokens, unpatched, provenance_line(provenance))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ranges import plain
-from .runs import ACTIVE, RunFolder, claim_run_folder, temporary_path, write_atomically
+from .runs import ACTIVE, KINDS, RunFolder, claim_run_folder, temporary_path, write_atomically
 
 # kind -> Markdown renderer / plot writer, filled by the experiment modules (register_report)
 MARKDOWN: dict[str, Callable[[dict], str]] = {}
@@ -32,6 +32,7 @@ def register_report(kind: str, markdown: Callable[[dict], str],
     if kind in MARKDOWN:
         raise ValueError(f"report kind {kind!r} is registered twice.")
     MARKDOWN[kind] = markdown
+    KINDS.add(kind)  # a folder holding its report.json is a run folder (runs.claim_run_folder)
     if plot is not None:
         PLOTS[kind] = plot
 

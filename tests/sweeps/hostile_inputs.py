@@ -874,7 +874,7 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
     import subprocess
 
     from hf_tangent.core.destinations import DestinationError
-    from hf_tangent.experiments.runs import RunFolder
+    from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -928,17 +928,19 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
 
     def rerun_leaves_nothing_of_the_earlier_run():
         run = tmp / "run47"
-        (run / "model").mkdir(parents=True)
-        (run / "model" / "config.json").write_text("{}")
-        (run / "runs" / "seed1").mkdir(parents=True)
+        with RunFolder(run):
+            (run / "model").mkdir(parents=True)
+            (run / "model" / "config.json").write_text("{}")
+            (run / "runs" / "seed1").mkdir(parents=True)
         with RunFolder(run):
             (run / "patch").mkdir()
-        return sorted(p.name for p in run.iterdir()) == ["patch"]
+        return sorted(p.name for p in run.iterdir()) == [MARK, "patch"]
 
     def failed_run_gives_the_earlier_run_back():
         run = tmp / "run47b"
-        (run / "patch").mkdir(parents=True)
-        (run / "report.json").write_text("{}")
+        with RunFolder(run):
+            (run / "patch").mkdir(parents=True)
+            (run / "report.json").write_text("{}")
         before = tree(run)
         try:
             with RunFolder(run):
@@ -974,6 +976,30 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
     expect_error("artifacts", "Report.save into a folder of the user's files",
                  lambda: _eval_report().save(tmp / "user47"), "holds files no hf_tangent run writes",
                  kinds=(DestinationError,))
+    # review of issue 47: a folder of the user's files that merely have a run's names; an input inside the output
+    # folder; the documented recovery call on a folder of the user's
+    named = tmp / "named47"
+    (named / "model").mkdir(parents=True)
+    (named / "model" / "my_weights.txt").write_text("mine")
+    (named / "README.md").write_text("# notes")
+    expect_error("artifacts", "Report.save into the user's model/ and README.md (a run's names, no run's mark)",
+                 lambda: _eval_report().save(named), "is not an hf_tangent run's folder", kinds=(DestinationError,))
+    expect_ok("artifacts", "the refused folder of the user's files is byte-identical",
+              lambda: tree(named) == {"README.md": b"# notes", "model": None, "model/my_weights.txt": b"mine"})
+    from hf_tangent import cli
+
+    with RunFolder(tmp / "run47c"):
+        ht.save_patch(gated(), tmp / "run47c" / "patch")
+    kept = tree(tmp / "run47c")
+    expect_ok("artifacts", "eval --model inside its --output-dir: refused naming both, the folder as it was",
+              lambda: cli.main(["eval", "--model", str(tmp / "run47c" / "patch"), "--output-dir", str(tmp / "run47c"),
+                                "--max-windows", "1", "--seq-len", "16"]) == 2 and tree(tmp / "run47c") == kept)
+    expect_error("artifacts", "RunFolder(inputs=) with an input inside the folder",
+                 lambda: RunFolder(tmp / "run47c", inputs={"model=": str(tmp / "run47c" / "patch")}).__enter__(),
+                 "lies inside the output folder", kinds=(DestinationError,))
+    expect_ok("artifacts", "recover_run_folder on a folder of the user's files changes nothing",
+              lambda: recover_run_folder(named) is None and tree(named) == {
+                  "README.md": b"# notes", "model": None, "model/my_weights.txt": b"mine"})
 
 
 def _eval_report():

@@ -19,9 +19,11 @@ every result next to them says. The novels are public domain.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import sys
+import uuid
 from importlib import resources
 from pathlib import Path
 
@@ -303,8 +305,13 @@ def task_folder(folder: str | Path | None = None) -> Path:
     for task in TASKS:
         text = _YAML[task].format(data=json.dumps(str(data_file(task))))
         path = folder / f"{task}.yaml"
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:  # in one rename: another process
+            scratch = folder / f".{task}.yaml.{os.getpid()}-{uuid.uuid4().hex[:8]}"  # reading it never sees half
+            try:
+                scratch.write_text(text, encoding="utf-8")
+                os.replace(scratch, path)
+            finally:
+                scratch.unlink(missing_ok=True)
     return folder
 
 
