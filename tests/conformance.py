@@ -158,11 +158,11 @@ def _peft_alone(base, folder: Path) -> str | None:
     from peft import PeftModel
 
     with _quiet():
-        try:
+        try:  # PEFT refuses LoRA on some modules (Mamba's out_proj), or its wrapper fails (Llama 4's tuple router)
             adapted = _with_lora(copy.deepcopy(base))
-        except ValueError as err:  # PEFT refuses LoRA on some modules (Mamba's out_proj / conv1d)
-            return f"PEFT refuses LoRA on all linear layers of the unpatched model: {_error(err)[:160]}"
-        ref = _logits(adapted)
+            ref = _logits(adapted)
+        except Exception as err:  # noqa: BLE001 - PEFT's own failure on the unpatched model: not a cell
+            return f"PEFT's LoRA on all linear layers fails on the unpatched model: {_error(err)[:160]}"
         adapted.save_pretrained(folder)
         loaded = PeftModel.from_pretrained(copy.deepcopy(base), folder)
         for name, model in (("save and load", loaded), ("merge", adapted.merge_and_unload())):
@@ -304,10 +304,26 @@ def patched_types() -> list[str]:
 def run(types, out: Path | None = None) -> dict:
     report = {"versions": versions(), "core_digest": core_digest(), "rows": []}
     start = time.time()
+    # rows measured by an interrupted run of the same code and versions are taken again (hours otherwise)
+    partial = None if out is None else out.with_suffix(".partial.jsonl")
+    done = {}
+    if partial is not None and partial.exists():
+        lines = [json.loads(line) for line in partial.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if lines and lines[0] == {k: report[k] for k in ("versions", "core_digest")}:
+            done = {row["type"]: row for row in lines[1:]}
+    if partial is not None and not done:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({k: report[k] for k in ("versions", "core_digest")}) + "\n", encoding="utf-8")
     for model_type in types:
         t = time.time()
+        if model_type in done:
+            report["rows"].append(done[model_type])
+            continue
         with tempfile.TemporaryDirectory() as work:
             row = check_type(model_type, Path(work))
+        if partial is not None:
+            with partial.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
         report["rows"].append(row)
         counts = _counts(row["cells"])
         print(f"{model_type:26s} {time.time() - t:5.1f}s {counts}  {row['note'][:90]}", flush=True)
@@ -319,6 +335,7 @@ def run(types, out: Path | None = None) -> dict:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        partial.unlink()
     return report
 
 
