@@ -24,7 +24,7 @@ class HfTangentTransformersForCausalLM(TransformersForCausalLM):
         record = getattr(self.config, CONFIG_KEY, None)
         if not isinstance(record, dict):
             raise ValueError("hf_tangent vLLM plugin: this folder's config.json has no hf_tangent patch record.")
-        self.config = _base_config(self.config.to_dict(), record, "config.json")
+        self.config = _base_config(self.config.to_dict(), record, "config.json", None)  # the config class of the base model_type
         self.text_config = self.config.get_text_config()
         super()._patch_config()
 
