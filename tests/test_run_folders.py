@@ -126,17 +126,22 @@ def test_a_run_replaces_the_earlier_run_whole_and_a_failed_one_gives_it_back(tmp
     assert tree(folder) == {**ENDED, "report.json": b'{"run": 2}'}
 
 
+def _stopped_after_a_checkpoint(folder, caplog):
+    """A rerun into `folder` stopped by Ctrl-C after its first checkpoint (logged into caplog)."""
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        with pytest.raises(KeyboardInterrupt), RunFolder(folder):
+            (folder / "checkpoint-2").mkdir()
+            (folder / "checkpoint-2" / "trainer_state.json").write_text("{}")
+            raise KeyboardInterrupt
+
+
 def test_a_stopped_run_keeps_its_checkpoint_and_a_resumed_run_continues_it(tmp_path, caplog):
     """Ctrl-C after a checkpoint: the checkpoint stays for --resume_from_checkpoint (logged); a resumed
     run keeps it (the earlier run's files stay aside until it ends); a run that does not resume
     rolls the stopped one back and replaces the earlier run."""
     folder = tmp_path / "run"
     before = _earlier_run(folder)
-    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
-        with pytest.raises(KeyboardInterrupt), RunFolder(folder):
-            (folder / "checkpoint-2").mkdir()
-            (folder / "checkpoint-2" / "trainer_state.json").write_text("{}")
-            raise KeyboardInterrupt
+    _stopped_after_a_checkpoint(folder, caplog)
     assert "--resume_from_checkpoint last continues it" in caplog.text
     assert (folder / "checkpoint-2" / "trainer_state.json").is_file() and not (folder / "report.json").exists()
     with RunFolder(folder, resume=True):
@@ -300,11 +305,7 @@ def test_a_stopped_run_says_how_to_get_the_earlier_run_back_and_that_works(tmp_p
     of where they were (review finding 5): the log names the hidden folder and the call that gives them back."""
     folder = tmp_path / "run"
     before = _earlier_run(folder)
-    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
-        with pytest.raises(KeyboardInterrupt), RunFolder(folder):
-            (folder / "checkpoint-2").mkdir()
-            (folder / "checkpoint-2" / "trainer_state.json").write_text("{}")
-            raise KeyboardInterrupt
+    _stopped_after_a_checkpoint(folder, caplog)
     assert "the earlier run's files in .hf_tangent-run-earlier-" in caplog.text
     call = caplog.text.split('python -c "')[1].split('"')[0]
     assert call == f"from hf_tangent.experiments.runs import recover_run_folder; recover_run_folder({str(folder)!r})"
