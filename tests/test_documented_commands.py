@@ -18,6 +18,13 @@ a network, and the Austen text comes from Debian as the README says.
   stopped.
 - GPU lines (`pip install -e '.[vllm]'`, `vllm serve`, the accelerate configs for GPUs) run only where
   CUDA is available, else the block is skipped with that reason.
+- The whole PLAN takes longer than one working session here. With HF_TANGENT_DOCS_WORLD=FOLDER the run
+  happens in FOLDER (a new one is cloned there), and a later run with the same FOLDER goes on where the
+  earlier one stopped: a block whose every line already passed there (by its recorded rows and log: exit
+  0, the Hub's error and its offline command, the server's equal tokens) keeps its rows; an unfinished
+  block runs again from its first line, as a user reruns a stopped command. Allowed only while the
+  package, the recipes, pyproject.toml and every documented bash block are what the clone has; else
+  refused (start a new FOLDER).
 
 Without the marker (the default run): every bash block is in PLAN and every planned block is in the
 docs, so a new documented command cannot go unplanned."""
@@ -70,7 +77,8 @@ HUB_ERROR = re.compile(r"^hf-tangent \S+: error: hf_tangent: .* needs the Huggin
                        r"which cannot be reached from here \(.+\)\. Offline: .+", re.M)
 # what the test suite sets for itself, and a user's shell does not have
 SUITE_ONLY = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TANGENT_AUSTEN_DIR", "TRITON_INTERPRET", "PYTHONPATH",
-              "HF_TANGENT_MIXED_CORPUS_DIR", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS")
+              "HF_TANGENT_MIXED_CORPUS_DIR", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS",
+              "HF_TANGENT_DOCS_WORLD")
 
 
 def command(line: str) -> str:
@@ -78,11 +86,13 @@ def command(line: str) -> str:
     return re.sub(r"(^|\s)#.*$", "", line).strip()
 
 
-def bash_blocks() -> list[tuple[str, int, list[str]]]:
+def bash_blocks(root: Path = ROOT) -> list[tuple[str, int, list[str]]]:
     """(page, line of the fence, the block's lines with continuations joined) of every bash block."""
     found = []
     for page in PAGES:
-        text = (ROOT / page).read_text(encoding="utf-8")
+        if not (root / page).is_file():
+            continue
+        text = (root / page).read_text(encoding="utf-8")
         for m in FENCE.finditer(text):
             if m.group("lang") == "bash":
                 lines = [line for line in m.group("body").replace("\\\n", " ").splitlines() if command(line)]
@@ -107,12 +117,61 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
                 assert OFFLINE.search(line), f"{page}:{n}: a Hub id without `# offline: COMMAND`: {line}"
 
 
+def test_a_kept_world_goes_on_only_after_blocks_that_passed_and_only_with_what_it_started_with(tmp_path):
+    """HF_TANGENT_DOCS_WORLD: which blocks a later run keeps (by rows and logs), and when it refuses."""
+    plain = ("docs/diagnostics.md", "hf-tangent diagnose --output-dir runs/diag")
+    hub = next((page, first) for page, first, kind, _ in PLAN if kind == "cpu"
+               and any(OFFLINE.search(line) for line in planned(page, first)[2]))
+    world = World(tmp_path)
+    for page, first in (plain, hub):
+        _, fence, lines = planned(page, first)
+        for line in lines:
+            world.record(page, fence, command(line), 2 if OFFLINE.search(line) else 0, 1.0)
+            if OFFLINE.search(line):
+                world.record(page, None, OFFLINE.search(line).group("instead").strip(), 0, 1.0)
+    fence = planned(*hub)[1]
+    log = tmp_path / f"{Path(hub[0]).stem}-{fence}.log"
+    log.write_text("hf-tangent x: error: hf_tangent: x needs the Hugging Face Hub (https://huggingface.co), which "
+                   "cannot be reached from here (no network). Offline: a local folder.\n")
+    again = World(tmp_path)  # a later process reads the table back
+    assert again.passed(*plain) and again.passed(*hub)
+    log.write_text("Traceback ... httpx.ConnectError\n")  # exit 2, but not hf_tangent's Hub error
+    assert not again.passed(*hub) and again.passed(*plain)
+    again.rows[0]["exit"] = 1
+    assert not again.passed(*plain)
+    before = len(again.rows)
+    again.forget(*hub)  # its lines and its offline alternatives go; the other block's rows stay
+    assert len(again.rows) == len(planned(*plain)[2]) < before and again.passed(*plain) is False
+    assert not World(tmp_path / "new").passed(*plain)
+
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=600)
+    for path in subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.split():  # the clone gets this checkout's uncommitted state
+        if (ROOT / path).is_file():
+            (clone / path).write_bytes((ROOT / path).read_bytes())
+    assert resumable(clone) == []
+    page = clone / plain[0]
+    page.write_text(page.read_text().replace(plain[1], plain[1] + " --seed 1"))
+    assert resumable(clone) == ["the documented bash blocks"]
+    last = subprocess.run(["git", "log", "-1", "--format=%H", "--", "hf_tangent"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    subprocess.run(["git", "checkout", "--quiet", "--force", f"{last}~1"], cwd=clone, check=True)
+    assert any(path.startswith("hf_tangent/") for path in resumable(clone))  # the package moved on since
+    subprocess.run(["git", "commit", "--quiet", "--allow-empty", "-m", "x"], cwd=clone, check=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+    assert resumable(clone)[0].startswith("the clone's commit")  # one this checkout does not have
+
+
 # ----------------------------------------------------------------------------- the run (marker docs)
 class World:
     """The clone, the environment of a user's shell, and the table of what ran."""
 
     def __init__(self, root: Path):
-        self.root, self.clone, self.rows = root, root / "clone", []
+        self.root, self.clone = root, root / "clone"
+        table = root / "documented_commands.json"
+        self.rows = json.loads(table.read_text(encoding="utf-8")) if table.is_file() else []
         self.env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if not p.startswith(str(Path(sys.executable).parent)))
@@ -133,6 +192,34 @@ class World:
                     + (" &" if background else ""))
             out.append(step)
         return "\n".join(out) + "\n"
+
+    def passed(self, page: str, first: str) -> bool:
+        """Every line of the block passed in an earlier run of this world (its rows and its log)."""
+        _, fence, lines = planned(page, first)
+        rows = {row["command"]: row for row in self.rows if row["page"] == page and row["line"] == fence}
+        log = self.root / f"{Path(page).stem}-{fence}.log"
+        for line in lines:
+            text, offline, row = command(line), OFFLINE.search(line), rows.get(command(line))
+            if row is None:
+                return False
+            if SERVER.match(text):
+                ok = row["exit"] == "served" and "tokens equal to" in row["note"]
+            elif offline:
+                alt = [r for r in self.rows if r["page"] == page and r["command"] == offline.group("instead").strip()]
+                ok = (row["exit"] == 2 and log.is_file() and HUB_ERROR.search(log.read_text()) is not None
+                      and bool(alt) and alt[-1]["exit"] == 0)
+            else:
+                ok = row["exit"] == 0
+            if not ok:
+                return False
+        return True
+
+    def forget(self, page: str, first: str) -> None:
+        """An unfinished block's rows, before it runs again."""
+        _, fence, lines = planned(page, first)
+        alternatives = {m.group("instead").strip() for m in map(OFFLINE.search, lines) if m}
+        self.rows = [row for row in self.rows if row["page"] != page
+                     or (row["line"] != fence and not (row["line"] is None and row["command"] in alternatives))]
 
     def run_block(self, page: str, first: str, timeout: int, *, activate: bool = True) -> tuple[dict, list[str]]:
         _, fence, lines = planned(page, first)
@@ -170,10 +257,30 @@ def _quote(path) -> str:
     return "'" + str(path).replace("'", "'\\''") + "'"
 
 
+def resumable(clone: Path) -> list[str]:
+    """What differs between this checkout and an earlier world's clone (nothing: the world goes on)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
+    diff = subprocess.run(["git", "diff", "--name-only", head, "--", "hf_tangent", "recipes", "pyproject.toml"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if diff.returncode:
+        return [f"the clone's commit {head}, which this checkout does not have"]
+    changed = diff.stdout.split()
+    if bash_blocks(clone) != bash_blocks(ROOT):
+        changed.append("the documented bash blocks")
+    return changed
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("documented")
-    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
+    kept = os.environ.get("HF_TANGENT_DOCS_WORLD")
+    root = Path(kept).resolve() if kept else tmp_path_factory.mktemp("documented")
+    if (root / "clone").is_dir():
+        changed = resumable(root / "clone")
+        assert not changed, (f"HF_TANGENT_DOCS_WORLD={root}: its clone differs from this checkout in {changed}; "
+                             "a run goes on only with what it started with. Name a new folder.")
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
     w = World(root)
     yield w
     print("\n| page | command | exit | time |\n|---|---|---:|---:|")
@@ -190,10 +297,14 @@ def block_ids():
 @pytest.mark.parametrize("page,first,kind,timeout", PLAN, ids=block_ids())
 def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     if kind == "gpu" and not torch.cuda.is_available():
+        world.forget(page, first)
         _, fence, lines = planned(page, first)
         for line in lines:
             world.record(page, fence, command(line), None, 0.0, "not run: needs a GPU")
         pytest.skip("GPU lines: CUDA is not available here")
+    if world.passed(page, first):
+        return  # passed in an earlier run of this world (HF_TANGENT_DOCS_WORLD); its rows stay in the table
+    world.forget(page, first)
     steps, lines = world.run_block(page, first, timeout, activate=kind not in ("setup", "suite"))
     failed = []
     for i, line in enumerate(lines):
