@@ -24,7 +24,7 @@ a network, and the Austen text comes from Debian as the README says.
   0, the Hub's error and its offline command, the server's equal tokens) keeps its rows; an unfinished
   block runs again from its first line, as a user reruns a stopped command. Allowed only while the
   package, the recipes, pyproject.toml and every documented bash block are what the clone has; else
-  refused (start a new FOLDER).
+  refused (start a new FOLDER). FOLDER must lie outside pytest's --basetemp, which pytest empties at start.
 
 Without the marker (the default run): every bash block is in PLAN and every planned block is in the
 docs, so a new documented command cannot go unplanned."""
