@@ -154,14 +154,20 @@ def test_a_kept_world_goes_on_only_after_blocks_that_passed_and_only_with_what_i
     page = clone / plain[0]
     page.write_text(page.read_text().replace(plain[1], plain[1] + " --seed 1"))
     assert resumable(clone) == ["the documented bash blocks"]
-    last = subprocess.run(["git", "log", "-1", "--format=%H", "--", "hf_tangent"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    subprocess.run(["git", "checkout", "--quiet", "--force", f"{last}~1"], cwd=clone, check=True)
-    assert any(path.startswith("hf_tangent/") for path in resumable(clone))  # the package moved on since
-    subprocess.run(["git", "commit", "--quiet", "--allow-empty", "-m", "x"], cwd=clone, check=True,
-                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                        "GIT_COMMITTER_EMAIL": "t@t"})
-    assert resumable(clone)[0].startswith("the clone's commit")  # one this checkout does not have
+    # a checkout whose package moved on since the clone was made, and a clone on a commit it does not have
+    origin, later = tmp_path / "origin", tmp_path / "later"
+    (origin / "hf_tangent").mkdir(parents=True)
+    (origin / "hf_tangent" / "x.py").write_text("A = 1\n")
+    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(later)], check=True)
+    assert resumable(later, origin) == []
+    (origin / "hf_tangent" / "x.py").write_text("A = 2\n")
+    assert resumable(later, origin) == ["hf_tangent/x.py"]
+    subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "b"], cwd=later, check=True, env=git)
+    assert resumable(later, origin)[0].startswith("the clone's commit")
 
 
 # ----------------------------------------------------------------------------- the run (marker docs)
@@ -257,15 +263,15 @@ def _quote(path) -> str:
     return "'" + str(path).replace("'", "'\\''") + "'"
 
 
-def resumable(clone: Path) -> list[str]:
-    """What differs between this checkout and an earlier world's clone (nothing: the world goes on)."""
+def resumable(clone: Path, root: Path = ROOT) -> list[str]:
+    """What differs between the checkout `root` and an earlier world's clone (nothing: the world goes on)."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
-    diff = subprocess.run(["git", "diff", "--name-only", head, "--", "hf_tangent", "recipes", "pyproject.toml"], cwd=ROOT,
+    diff = subprocess.run(["git", "diff", "--name-only", head, "--", "hf_tangent", "recipes", "pyproject.toml"], cwd=root,
                           capture_output=True, text=True)
     if diff.returncode:
         return [f"the clone's commit {head}, which this checkout does not have"]
     changed = diff.stdout.split()
-    if bash_blocks(clone) != bash_blocks(ROOT):
+    if bash_blocks(clone) != bash_blocks(root):
         changed.append("the documented bash blocks")
     return changed
 
