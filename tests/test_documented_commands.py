@@ -106,8 +106,9 @@ def bash_blocks(read=None) -> list[tuple[str, int, list[str]]]:
     return found
 
 
-def planned(page: str, first: str):
-    return next(((p, n, lines) for p, n, lines in bash_blocks() if p == page and command(lines[0]).startswith(first)), None)
+def planned(page: str, first: str, read=None):
+    return next(((p, n, lines) for p, n, lines in bash_blocks(read) if p == page and command(lines[0]).startswith(first)),
+                None)
 
 
 def test_every_documented_block_is_planned_and_every_plan_is_documented():
@@ -117,83 +118,117 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
     assert not unplanned, f"bash blocks that tests/test_documented_commands.py does not run (add them to PLAN): {unplanned}"
     stale = [(page, first) for page, first, _, _ in PLAN if planned(page, first) is None]
     assert not stale, f"PLAN names blocks the docs no longer have: {stale}"
+    for page, n, lines in blocks:  # a server runs after the block's other lines: it comes last
+        servers = [i for i, line in enumerate(lines) if SERVER.match(command(line))]
+        assert servers == list(range(len(lines) - len(servers), len(lines))), f"{page}:{n}: a server line is not last"
     for page, n, lines in blocks:  # a Hub id on a command line comes with what to run offline
         for line in lines:
             if re.search(r"--(model|dataset) (gpt2|wikitext|EleutherAI/|meta-llama/|mistralai/)", line):
                 assert OFFLINE.search(line), f"{page}:{n}: a Hub id without `# offline: COMMAND`: {line}"
 
 
-def test_a_kept_world_goes_on_after_the_lines_that_passed_and_only_with_what_it_started_with(tmp_path):
-    """HF_TANGENT_DOCS_WORLD: what a later run keeps (rows, and a stopped block's step log), where it
-    goes on, what it replays, and when it refuses."""
+def _synthetic(monkeypatch, blocks: dict):
+    """PLAN and the docs replaced by synthetic blocks {(page, first): lines} (shell lines, run for real)."""
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "PLAN", [(page, first, "cpu", 60) for page, first in blocks])
+    monkeypatch.setattr(module, "planned", lambda page, first, read=None: (page, 10 + list(blocks).index((page, first)),
+                                                                            blocks[page, first]))
+
+
+def _fake_clone(root: Path) -> Path:
+    (root / "clone" / ".venv" / "bin").mkdir(parents=True)
+    (root / "clone" / ".venv" / "bin" / "activate").write_text("export IN_VENV=1\n")
+    return root
+
+
+HUB_LINE = ("sh -c 'echo hf-tangent x: error: hf_tangent: x needs the Hugging Face Hub \\(https://huggingface.co\\), which "
+            "cannot be reached from here \\(no network\\). Offline: a local folder.; exit 2'  # offline: test -n \"$IN_VENV\"")
+
+
+def test_a_kept_world_goes_on_line_by_line_across_sessions(tmp_path, monkeypatch):
+    """HF_TANGENT_DOCS_WORLD: a block stopped inside (by a timeout here, a killed run in life) goes on at its first
+    line that did not pass, in as many sessions as it takes; the blocks after it run again."""
+    a, b = ("a.md", "touch a0"), ("b.md", "cat out")
+    blocks = {a: ["touch a0", "python3 -m venv .venv-y && . .venv-y/bin/activate", "echo a2 > out", "sleep 30", "echo a4"],
+              b: ["cat out", HUB_LINE, "echo é█━ > unicode", "true"]}
+    _synthetic(monkeypatch, blocks)
+    root = _fake_clone(tmp_path / "w")
+    world = World(root)
+    world.todo = world.plan(cuda=False)
+    assert world.todo == {a: 0, b: 0}
+    with pytest.raises(AssertionError, match="sleep 30: exit None"):  # the timeout stops it inside line 3
+        test_documented_block_runs_as_written(world, *a, "cpu", 8)
+    assert [(r["step"], r["ok"]) for r in World(root).rows] == [(0, True), (1, True), (2, True), (3, False), (4, False)]
+    blocks[a][3] = "sleep 1"
+    later = World(root)
+    later.todo = later.plan(cuda=False)
+    assert later.todo == {a: 3, b: 0}
+    script = later.script(blocks[a], root / "x.steps", True, start=3)
+    assert ". .venv-y/bin/activate" in script and "python3 -m venv" not in script and "touch a0" not in script
+    for block in (a, b):
+        test_documented_block_runs_as_written(later, *block, "cpu", 60)
+    assert later.plan(cuda=False) == {} and [r["step"] for r in later.rows if r["page"] == "b.md"] == [0, 1, 2, 3, 1]
+    hub = [r for r in later.rows if r["page"] == "b.md" and r["step"] == 1]
+    assert [(r["kind"], r["exit"], r["ok"]) for r in hub] == [("line", 2, True), ("offline", 0, True)]
+
+    # a run killed inside block b: no rows for the lines it finished there, only its step log; twice over
+    later.forget(*b, 2)
+    (root / "b-11.steps").write_text("## start=2 commit=abc1234\n@@ 2 0 100.0 101.5\n")
+    third = World(root)
+    third.todo = third.plan(cuda=False)
+    assert third.todo == {b: 3}
+    assert [(r["step"], r["seconds"], r["commit"]) for r in third.rows if r["page"] == "b.md"][-1] == (2, 1.5, "abc1234")
+    assert not (root / "b-11.steps").exists() or "@@ 2" not in (root / "b-11.steps").read_text()  # used once
+
+    # an earlier block that runs again makes the later ones run again, and their old step logs count no more
+    third.forget(*a, 2)
+    (root / "b-11.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 2 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    fourth = World(root)
+    fourth.todo = fourth.plan(cuda=False)
+    assert fourth.todo == {a: 2, b: 0} and not (root / "b-11.steps").exists()
+    assert not [r for r in fourth.rows if r["page"] == "b.md"]
+
+
+def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed(tmp_path, monkeypatch):
+    """progress reads the last row of each kind; a background line starts its block again; a stopped run's step
+    log is read up to its first failed line; the suite's rows count only at this checkout's HEAD; open_world
+    refuses a folder with files but no clone; resumable compares the package commit to commit and the blocks'
+    lines (not where they sit on the page)."""
     if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
         pytest.skip("this checkout is not a git work tree")
-    diag = ("docs/diagnostics.md", "hf-tangent diagnose --output-dir runs/diag")
-    heal = ("docs/recipes.md", "hf-tangent heal --recipe heal_default")  # a later block of PLAN, 6 lines
-    serve = ("docs/serving.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder")
-    hub = next((page, first) for page, first, kind, _ in PLAN if kind == "cpu"
-               and any(OFFLINE.search(line) for line in planned(page, first)[2]))
-    world = World(tmp_path)
-    for block in (diag, heal, serve, hub):
-        world.pass_all(*block)
-    again = World(tmp_path)  # a later process reads the table back
-    assert all(again.progress(*b) == len(planned(*b)[2]) for b in (diag, heal, serve, hub))
-    fence = planned(*heal)[1]
+    a, b, c = ("a.md", "echo a"), ("b.md", "echo b &"), ("c.md", "echo c")
+    _synthetic(monkeypatch, {a: ["echo a", "echo a1"], b: ["echo b &", "wait"], c: ["echo c", "false", "echo c2"]})
+    world = World(_fake_clone(tmp_path / "w"))
+    world.record(*a, 0, "line", "echo a", 0, 1.0, True)
+    world.record(*a, 0, "line", "echo a", 1, 1.0, False)  # a later attempt failed: the last row counts
+    world.record(*a, 1, "line", "echo a1", 0, 1.0, True)
+    assert world.progress(*a) == 0
+    world.record(*a, 0, "line", "echo a", 0, 1.0, True)
+    world.record(*b, 0, "line", "echo b &", 0, 1.0, True)
+    assert world.progress(*a) == 2 and world.progress(*b) == 1
+    (world.root / "c-12.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    assert World(world.root).plan(cuda=False) == {b: 0, c: 0}  # b has a line in the background: from its first
+    again = World(world.root)
+    assert [(r["page"], r["step"]) for r in again.rows] == [("a.md", 0), ("a.md", 0), ("a.md", 1), ("a.md", 0)]
+    again.rows = []
+    (world.root / "c-12.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    again.recover(*c)
+    assert [(r["step"], r["ok"]) for r in again.rows] == [(0, True)]  # not past the failed line
 
-    def row(block, step, kind="line"):
-        return next(r for r in again.rows if (r["page"], r["line"], r["step"], r["kind"]) ==
-                    (block[0], planned(*block)[1], step, kind))
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [(*a, "suite", 60)])
+    suite = World(_fake_clone(tmp_path / "s"))
+    suite.record(*a, 0, "line", "echo a", 0, 1.0, True, commit="0000000")
+    suite.record(*a, 1, "line", "echo a1", 0, 1.0, True, commit="0000000")
+    assert suite.plan(cuda=False) == {a: 0}  # the README's test command of another commit: run again
 
-    row(heal, 2)["exit"], row(heal, 2)["ok"] = None, False  # a line the stopped run did not finish
-    assert again.progress(*heal) == 2 and again.progress(*diag) == len(planned(*diag)[2])
-    server_step = next(i for i, line in enumerate(planned(*serve)[2]) if SERVER.match(command(line)))
-    row(serve, server_step, "served")["ok"] = False  # tokens not equal
-    assert again.progress(*serve) == server_step
-    offline_step = next(i for i, line in enumerate(planned(*hub)[2]) if OFFLINE.search(line))
-    row(hub, offline_step, "offline")["ok"] = False  # the line's offline command failed
-    assert again.progress(*hub) == offline_step
-    again.rows = [r for r in again.rows if not (r["page"] == hub[0] and r["kind"] == "offline")]  # never ran
-    assert again.progress(*hub) == offline_step
-
-    # the resume plan: blocks before the first unfinished one are kept, it goes on at its first unfinished
-    # line, everything after it runs again (a later block read what the unfinished one wrote)
-    order = [(p, f) for p, f, _, _ in PLAN]
-    assert order.index(diag) < order.index(serve) < order.index(heal)
-    again.rows = [r for r in again.rows if r["page"] != "README.md"]  # no setup block: it is the first unfinished
-    plan = again.plan(cuda=False)
-    assert plan[order[0]] == 0 and all(plan[b] == 0 for b in order[1:] if b in plan)
-    again = World(tmp_path)
-    for block in order[:order.index(heal) + 1]:
-        again.pass_all(*block)
-    row(heal, 2)["ok"] = False
-    plan = again.plan(cuda=False)
-    assert all(b not in plan for b in order[:order.index(heal)]) and plan[heal] == 2
-    assert all(plan[b] == 0 for b in order[order.index(heal) + 1:] if b in plan)
-    assert not [r for r in again.rows if r["page"] == heal[0] and r["line"] == fence and r["step"] >= 2]
-    assert [r["step"] for r in again.rows if r["page"] == heal[0] and r["line"] == fence] == [0, 1]
-    assert json.loads((tmp_path / "documented_commands.json").read_text()) == again.rows  # saved at once
-
-    # a run stopped inside a block left no rows for it, but its step log says which lines finished
-    stopped = World(tmp_path / "stopped")
-    for block in order[:order.index(heal)]:
-        stopped.pass_all(*block)
-    (tmp_path / "stopped" / f"recipes-{fence}.steps").write_text("@@ 0 0 10.0 20.5\n@@ 1 0 20.5 30.0\n@@ 2 1 30.0 31.0\n")
-    assert stopped.plan(cuda=False)[heal] == 2
-    assert [(r["step"], r["seconds"]) for r in stopped.rows if r["line"] == fence] == [(0, 10.5), (1, 9.5)]
-
-    # going on at line 2 replays the state lines before it (an activation), not the commands
-    lines = ["python3 -m venv .venv-x && . .venv-x/bin/activate", "pip install x", "hf-tangent eval", "hf-tangent diagnose"]
-    script = World(tmp_path / "s").script(lines, tmp_path / "s.steps", True, start=2)
-    assert ". .venv-x/bin/activate" in script and "pip install x" not in script
-    assert "hf-tangent eval" in script and '"@@ 2 ' in script and '"@@ 0 ' not in script
-
-    # refused: a folder that holds files but no clone; the clone's package or blocks moved on
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "documented_commands.json").write_text("[]")
+    (tmp_path / "old" / TABLE).write_text("[]")
     with pytest.raises(AssertionError, match="holds files but no clone"):
         open_world(tmp_path / "old")
     git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent eval", "cpu", 60)])
+    monkeypatch.setattr(sys.modules[__name__], "planned", _planned_original)
     origin, later = tmp_path / "origin", tmp_path / "later"
     (origin / "hf_tangent").mkdir(parents=True)
     (origin / "hf_tangent" / "x.py").write_text("A = 1\n")
@@ -207,32 +242,43 @@ def test_a_kept_world_goes_on_after_the_lines_that_passed_and_only_with_what_it_
     subprocess.run(["git", "commit", "-qam", "b"], cwd=origin, check=True, env=git)
     assert resumable(later, origin) == ["hf_tangent/x.py"]
     subprocess.run(["git", "pull", "-q"], cwd=later, check=True, env=git)
-    (origin / "README.md").write_text("```bash\nhf-tangent eval --seq_len 256\n```\n")  # what planned() reads
-    assert resumable(later, origin) == ["the bash blocks of README.md"]
+    (origin / "README.md").write_text("Prose above the block.\n\n```bash\nhf-tangent eval\n```\n")
+    assert resumable(later, origin) == []  # the block moved down the page, its lines did not change
+    (origin / "README.md").write_text("```bash\nhf-tangent eval --seq_len 256\n```\n")  # what this run reads
+    assert resumable(later, origin) == ["the lines of README.md:1 (hf-tangent eval)"]
     subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "c"], cwd=later, check=True, env=git)
     assert resumable(later, origin)[0].startswith("the clone's commit")
 
 
-def test_a_kept_world_inside_pytests_basetemp_is_refused_before_pytest_empties_it(tmp_path):
-    world = tmp_path / "base" / "world"
-    world.mkdir(parents=True)
-    (world / "documented_commands.json").write_text("[]")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                             "--basetemp", str(tmp_path / "base"), str(Path(__file__))], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "HF_TANGENT_DOCS_WORLD": str(world)})
-    assert result.returncode != 0 and "lies inside --basetemp" in result.stderr + result.stdout
-    assert (world / "documented_commands.json").is_file()
+def test_a_block_a_stopped_run_left_running_is_stopped_and_nothing_else(tmp_path):
+    root = _fake_clone(tmp_path / "w")
+    inside = subprocess.Popen(["sleep", "60"], cwd=root / "clone", start_new_session=True)
+    outside = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
+    try:
+        (root / "running.pgid").write_text(f"{inside.pid} {_start_time(inside.pid)}")
+        stop_leftover(root)
+        assert inside.wait(timeout=10) == -signal.SIGKILL and not (root / "running.pgid").exists()
+        (root / "running.pgid").write_text(f"{outside.pid} {_start_time(outside.pid)}")  # not in the clone: kept
+        stop_leftover(root)
+        assert outside.poll() is None
+        (root / "running.pgid").write_text("999999999 1")  # a process that is gone: nothing to stop
+        stop_leftover(root)
+    finally:
+        for process in (inside, outside):
+            process.kill()
+            process.wait()
 
 
 # ----------------------------------------------------------------------------- the run (marker docs)
-ACTIVATION = re.compile(r"(^|&&\s*)(\.|source)\s+\S+/bin/activate\b|^(cd|export)\s")  # replayed when a block goes on
+ACTIVATION = re.compile(r"(?:^|&&\s*)((?:\.|source)\s+\S+/bin/activate)\b|^((?:cd|export)\s.*)$")  # replayed
 TABLE = "documented_commands.json"
+STEP_MARK = "@@@ line "
 
 
 class World:
     """The clone, the environment of a user's shell, and the table of what ran: one row per (block, step,
     kind) where kind is "line" (the line as written), "offline" (its `# offline:` command), "served" (the
-    server's answer) or "not run"; `ok` is the verdict the test gave it."""
+    server's answer) or "not run"; `ok` is the verdict the test gave it; `commit` the clone's when it ran."""
 
     def __init__(self, root: Path):
         self.root, self.clone = root, root / "clone"
@@ -242,82 +288,87 @@ class World:
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if not p.startswith(str(Path(sys.executable).parent)))
 
+    def head(self) -> str | None:
+        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=self.clone, capture_output=True, text=True)
+        return found.stdout.strip() or None
+
     def save(self):
-        self.root.mkdir(parents=True, exist_ok=True)
         (self.root / TABLE).write_text(json.dumps(self.rows, indent=1), encoding="utf-8")
 
-    def record(self, page, fence, step, kind, text, rc, seconds, ok, note=""):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=self.clone, capture_output=True,
-                                text=True).stdout.strip() if self.clone.is_dir() else None
-        self.rows.append({"page": page, "line": fence, "step": step, "kind": kind, "command": text, "exit": rc,
-                          "seconds": round(seconds, 1), "ok": ok, "note": note, "commit": commit,
-                          "at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    def record(self, page, first, step, kind, text, rc, seconds, ok, note="", *, commit=None, at=None):
+        self.rows.append({"page": page, "line": planned(page, first)[1], "block": first, "step": step, "kind": kind,
+                          "command": text, "exit": rc, "seconds": round(seconds, 1), "ok": ok, "note": note,
+                          "commit": commit or self.head(), "at": at or time.strftime("%Y-%m-%d %H:%M:%S")})
         self.save()
 
-    def pass_all(self, page, first):
-        """Rows of a block that passed (the kept-world test builds worlds with it)."""
-        _, fence, lines = planned(page, first)
-        for i, line in enumerate(lines):
-            served, offline = SERVER.match(command(line)), OFFLINE.search(line)
-            self.record(page, fence, i, "served" if served else "line", command(line),
-                        "served" if served else 2 if offline else 0, 1.0, True)
-            if offline:
-                self.record(page, fence, i, "offline", offline.group("instead").strip(), 0, 1.0, True)
+    def steps_file(self, page, first) -> Path:
+        return self.root / f"{Path(page).stem}-{planned(page, first)[1]}.steps"
 
     def script(self, lines: list[str], log: Path, activate: bool, start: int = 0) -> str:
-        """The block from line `start` as one bash script: each line verbatim, its exit status and times appended
-        to `log`; of the lines before `start`, only the activations run again (the environment they left)."""
+        """The block from line `start` as one bash script: each line verbatim after a mark in the output, its exit
+        status and times appended to `log`; of the lines before `start`, only their activations run again."""
         out = ["cd " + _quote(self.clone)] + ([". .venv/bin/activate"] if activate else [])
+        out.append(f"echo '## start={start} commit='$(git rev-parse --short HEAD 2>/dev/null) >> {_quote(log)}")
         for i, line in enumerate(lines):
             text = command(line)
             if i < start:
-                out += [text] if ACTIVATION.search(text) else []
+                out += [m.group(1) or m.group(2) for m in [ACTIVATION.search(text)] if m]
                 continue
             background = text.endswith("&") and not text.endswith("&&")
             body = text[:-1].rstrip() if background else text
-            step = (f'{{ t0=$(date +%s.%N); {body}\n echo "@@ {i} $? $t0 $(date +%s.%N)" >> {_quote(log)}; }}'
-                    + (" &" if background else ""))
+            step = (f'{{ echo "{STEP_MARK}{i}"; t0=$(date +%s.%N); {body}\n echo "@@ {i} $? $t0 $(date +%s.%N)" >> '
+                    f'{_quote(log)}; }}' + (" &" if background else ""))
             out.append(step)
         return "\n".join(out) + "\n"
 
-    def _last(self, page, fence, step, kind):
-        found = [r for r in self.rows if (r["page"], r["line"], r["step"], r["kind"]) == (page, fence, step, kind)]
+    def _last(self, page, first, step, kind):
+        found = [r for r in self.rows if (r["page"], r["block"], r["step"], r["kind"]) == (page, first, step, kind)]
         return found[-1] if found else None
 
     def progress(self, page: str, first: str) -> int:
-        """How many of the block's lines, from its first, passed (every row the line needs is there and ok)."""
-        _, fence, lines = planned(page, first)
+        """How many of the block's lines, from its first, passed (the last row of each kind the line needs is ok)."""
+        lines = planned(page, first)[2]
         for i, line in enumerate(lines):
             kinds = ["served"] if SERVER.match(command(line)) else ["line"] + (["offline"] if OFFLINE.search(line) else [])
-            if not all((r := self._last(page, fence, i, kind)) and r["ok"] is True for kind in kinds):
+            if not all((r := self._last(page, first, i, kind)) and r["ok"] is True for kind in kinds):
                 return i
         return len(lines)
 
     def forget(self, page: str, first: str, start: int = 0) -> None:
-        """The block's rows from line `start` on (they run again), saved at once."""
-        fence = planned(page, first)[1]
-        self.rows = [r for r in self.rows if not (r["page"] == page and r["line"] == fence and r["step"] >= start)]
+        """The block's rows from line `start` on, and its step log: they run again. Saved at once."""
+        self.rows = [r for r in self.rows if not (r["page"] == page and r["block"] == first and r["step"] >= start)]
+        self.steps_file(page, first).unlink(missing_ok=True)
         self.save()
 
     def recover(self, page: str, first: str) -> None:
-        """Rows for the lines a stopped run finished inside a block (its step log; rows come at a block's end)."""
-        _, fence, lines = planned(page, first)
-        steps = self.root / f"{Path(page).stem}-{fence}.steps"
-        if not steps.is_file() or any(r["page"] == page and r["line"] == fence for r in self.rows):
+        """Rows for the lines a stopped run finished inside a block: its step log (an attempt from line S, with the
+        clone's commit then) where the rows stop at S; up to the first line that failed, a line with an offline
+        command (judged with it, in the test) or a server."""
+        path, lines = self.steps_file(page, first), planned(page, first)[2]
+        if not path.is_file():
             return
-        for entry in steps.read_text().splitlines():
-            _, i, rc, t0, t1 = entry.split()
+        entries = path.read_text().splitlines()
+        header = dict(kv.split("=", 1) for kv in entries[0][3:].split()) if entries and entries[0].startswith("## ") else {}
+        found = [entry.split() for entry in entries if entry.startswith("@@ ")]
+        start = int(header.get("start", min((int(e[1]) for e in found), default=0)))
+        if self.progress(page, first) != start or any(r["page"] == page and r["block"] == first and r["step"] >= start
+                                                      for r in self.rows):
+            return
+        for _, i, rc, t0, t1 in found:
             i = int(i)
-            if i != self.progress(page, first) or OFFLINE.search(lines[i]) or int(rc) != 0:
-                break  # a line with an offline command is judged with it, in the test
-            self.record(page, fence, i, "line", command(lines[i]), 0, float(t1) - float(t0), True,
-                        "from the step log of a run stopped inside the block")
+            if i != self.progress(page, first) or int(rc) != 0 or OFFLINE.search(lines[i]) or SERVER.match(command(lines[i])):
+                break
+            self.record(page, first, i, "line", command(lines[i]), 0, float(t1) - float(t0), True,
+                        "from the step log of a run stopped inside the block", commit=header.get("commit") or None,
+                        at=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t1))))
+        path.unlink()
 
     def plan(self, cuda: bool) -> dict:
         """{block: the line it starts at} for the blocks that run: kept are the blocks before the first unfinished
-        one; it goes on at its first unfinished line (from its first where lines run in the background); every
-        block after it runs again from its first line, its rows forgotten."""
-        todo, going = {}, False
+        one; it goes on at its first line that did not pass (from its first where a line runs in the background);
+        every block after it runs again from its first line, its rows and step log forgotten. The README's test
+        command counts only at the clone's commit (it runs the checkout's tests, which are not the package)."""
+        todo, going, head = {}, False, self.head()
         for page, first, kind, _ in PLAN:
             if kind == "gpu" and not cuda:
                 continue
@@ -328,6 +379,8 @@ class World:
             self.recover(page, first)
             lines = planned(page, first)[2]
             done = self.progress(page, first)
+            if kind == "suite" and any(r["commit"] != head for r in self.rows if r["page"] == page and r["block"] == first):
+                done = 0
             if done == len(lines):
                 continue
             if any(command(line).endswith("&") and not command(line).endswith("&&") for line in lines):
@@ -337,74 +390,99 @@ class World:
         return todo
 
     def run_block(self, page: str, first: str, timeout: int, *, activate: bool = True, start: int = 0) -> dict:
-        """{step: (exit, seconds, this attempt's log text)} of the block's lines from `start` (servers apart)."""
+        """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` (servers apart)."""
         _, fence, lines = planned(page, first)
-        steps = self.root / f"{Path(page).stem}-{fence}.steps"
+        steps = self.steps_file(page, first)
         steps.unlink(missing_ok=True)
         body = [line if not SERVER.match(command(line)) else "true" for line in lines]  # servers: serve_and_compare
         log = self.root / f"{Path(page).stem}-{fence}.log"
         offset = log.stat().st_size if log.is_file() else 0
-        started = time.monotonic()
         with open(log, "a") as out:
             out.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')}: from line {start}\n")
             out.flush()
-            done = run(["bash", "-c", self.script(body, steps, activate, start)], cwd=self.clone, env=self.env,
-                       stdout=out, timeout=timeout, pgid_file=self.root / "running.pgid")
-        text = log.read_text(errors="replace")[offset:]
+            run(["bash", "-c", self.script(body, steps, activate, start)], cwd=self.clone, env=self.env, stdout=out,
+                timeout=timeout, pgid_file=self.root / "running.pgid")
+        text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
+        output = {int(m.group(1)): m.group(2) for m in re.finditer(rf"^{STEP_MARK}(\d+)\n(.*?)(?=^{STEP_MARK}|\Z)", text,
+                                                                    re.S | re.M)}
         found = {}
         for entry in steps.read_text().splitlines() if steps.is_file() else []:
-            _, i, rc, t0, t1 = entry.split()
-            found[int(i)] = (int(rc), float(t1) - float(t0))
-        assert done.returncode == 0 or found, f"{page}:{fence}: the block did not run ({time.monotonic() - started:.0f} s)"
-        return {i: (*found.get(i, (None, 0.0)), text) for i in range(start, len(lines))
+            if entry.startswith("@@ "):
+                _, i, rc, t0, t1 = entry.split()
+                found[int(i)] = (int(rc), float(t1) - float(t0))
+        steps.unlink(missing_ok=True)  # judged here; rows follow
+        return {i: (*found.get(i, (None, 0.0)), output.get(i, "")) for i in range(start, len(lines))
                 if not SERVER.match(command(lines[i]))}
 
 
+_planned_original = planned
+
+
 def _migrated(row: dict) -> dict:
-    """A row written before rows had steps (one table, made by this file's earlier version, is being resumed)."""
-    if "step" in row:
+    """A row written by this file's earlier versions (rows without steps, or without their block's first line)."""
+    if "block" in row:
         return row
-    match = next(((n, lines) for p, n, lines in bash_blocks() if p == row["page"] and n == row["line"]), None)
-    texts = [command(line) for line in match[1]] if match else []
-    step = texts.index(row["command"]) if row["command"] in texts else None
-    served = row["exit"] == "served"
-    return {**row, "step": step, "kind": "served" if served else "line",
-            "ok": ("tokens equal to" in row["note"]) if served else row["exit"] == 0, "commit": None, "at": None}
+    block = next((first for page, first, _, _ in PLAN if page == row["page"] and
+                  (found := planned(page, first)) and found[1] == row["line"]), None)
+    if "step" not in row:
+        texts = [command(line) for line in planned(row["page"], block)[2]] if block else []
+        served = row["exit"] == "served"
+        row = {**row, "step": texts.index(row["command"]) if row["command"] in texts else None,
+               "kind": "served" if served else "line",
+               "ok": ("tokens equal to" in row["note"]) if served else row["exit"] == 0, "commit": None, "at": None}
+    return {**row, "block": block}
 
 
 def run(argv, *, cwd, env, stdout, timeout, pgid_file: Path | None = None) -> subprocess.CompletedProcess:
-    """argv in a process group of its own, stopped whole (the commands it started too) at the timeout or when
-    the test itself stops; its group id in `pgid_file` meanwhile (a later run stops what a killed one left)."""
+    """argv in a process group of its own, stopped whole (the commands it started too) at the timeout, when the
+    test itself stops, and after it ends; its group in `pgid_file` meanwhile (a later run stops what a killed one
+    left)."""
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
     if pgid_file:
-        pgid_file.write_text(str(process.pid))
+        pgid_file.write_text(f"{process.pid} {_start_time(process.pid)}")
     try:
         process.wait(timeout=timeout)
-    except BaseException:  # the timeout, or pytest interrupted
-        os.killpg(process.pid, signal.SIGKILL)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # the timeout, pytest interrupted, or done: nothing of the group outlives it
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         process.wait()
-        if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-            raise
-    finally:
         if pgid_file:
             pgid_file.unlink(missing_ok=True)
     return subprocess.CompletedProcess(argv, process.returncode)
 
 
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def stop_leftover(root: Path) -> None:
-    """A block a killed run left running in this world's clone: stopped before anything runs again."""
+    """What a killed run left running in this world's clone (its block's process group, members whose working
+    folder is in the clone): stopped before anything else happens there."""
     pgid_file = root / "running.pgid"
     if not pgid_file.is_file():
         return
-    pgid = int(pgid_file.read_text())
-    try:
-        inside = Path(f"/proc/{pgid}/cwd").resolve() == (root / "clone").resolve()
-    except OSError:
-        inside = False
-    if inside:
-        print(f"(stopping process group {pgid}, a block a stopped run left running in {root / 'clone'})")
-        os.killpg(pgid, signal.SIGKILL)
+    pgid = int(pgid_file.read_text().split()[0])
+    clone = (root / "clone").resolve()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pid, cwd = int(stat.parent.name), (stat.parent / "cwd").resolve()
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(fields[2]) == pgid and cwd.is_relative_to(clone):
+            print(f"(stopping {pid}, of a block a stopped run left running in {clone})")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     pgid_file.unlink()
 
 
@@ -417,7 +495,7 @@ PACKAGE = ("hf_tangent", "recipes", "model_cards", "pyproject.toml")  # what a w
 
 def resumable(clone: Path, root: Path = ROOT) -> list[str]:
     """What differs between an earlier world's clone and the checkout `root` (nothing: the world goes on): the
-    package at the two commits, and the bash blocks at the clone's commit against the ones this run reads."""
+    package at the two commits, and each planned block's lines at the clone's commit against this run's."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
     if subprocess.run(["git", "cat-file", "-e", f"{head}^{{commit}}"], cwd=root, capture_output=True).returncode:
         return [f"the clone's commit {head}, which this checkout does not have"]
@@ -428,30 +506,38 @@ def resumable(clone: Path, root: Path = ROOT) -> list[str]:
         shown = subprocess.run(["git", "show", f"{head}:{page}"], cwd=root, capture_output=True, text=True)
         return shown.stdout if shown.returncode == 0 else None
 
-    then, now = bash_blocks(read=at_head), bash_blocks(read=lambda page: _read(root / page))
-    return changed + [f"the bash blocks of {page}" for page in dict.fromkeys(p for p, *_ in then + now)
-                      if [b for b in then if b[0] == page] != [b for b in now if b[0] == page]]
+    def now(page):
+        return (root / page).read_text(encoding="utf-8") if (root / page).is_file() else None
 
-
-def _read(path: Path):
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+    for page, first, _, _ in PLAN:
+        then_, now_ = planned(page, first, at_head), planned(page, first, now)
+        if (then_ and then_[2]) != (now_ and now_[2]):
+            changed.append(f"the lines of {page}:{now_[1] if now_ else '?'} ({first})")
+    return changed
 
 
 def open_world(root: Path) -> World:
-    """A new world (a fresh clone of this checkout's HEAD) or, where `root` holds one, the same world going on
-    at this checkout's HEAD (resumable says what would stop it)."""
+    """A new world (a fresh clone of this checkout's HEAD) or, where `root` holds one, the same world going on:
+    what a killed run left running stopped, the lines that finished read from their step logs at the clone's
+    commit, then the clone moved to this checkout's HEAD (resumable says what would refuse it)."""
     if (root / "clone").is_dir():
+        stop_leftover(root)
         changed = resumable(root / "clone")
         assert not changed, (f"HF_TANGENT_DOCS_WORLD={root}: its clone's commit differs from this checkout in "
                              f"{changed}; a run goes on only with what it started with. Name a new folder.")
-        stop_leftover(root)
-        for argv in (["fetch", "--quiet", str(ROOT), "HEAD"], ["checkout", "--quiet", "--force", "FETCH_HEAD"]):
-            subprocess.run(["git", *argv], cwd=root / "clone", check=True, capture_output=True)
-    else:
-        assert not root.exists() or not any(root.iterdir()), (
-            f"HF_TANGENT_DOCS_WORLD={root} holds files but no clone; name a new or empty folder.")
-        root.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
+        world = World(root)
+        for page, first, _, _ in PLAN:
+            world.recover(page, first)
+        here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        if world.head() != here.strip():  # tracked files a documented command rewrote stay (no --force)
+            for argv in (["fetch", "--quiet", str(ROOT), "HEAD"], ["checkout", "--quiet", "FETCH_HEAD"]):
+                moved = subprocess.run(["git", *argv], cwd=root / "clone", capture_output=True, text=True)
+                assert moved.returncode == 0, f"{root / 'clone'}: git {' '.join(argv)}: {moved.stderr}"
+        return world
+    assert not root.exists() or not any(root.iterdir()), (
+        f"HF_TANGENT_DOCS_WORLD={root} holds files but no clone; name a new or empty folder.")
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
     return World(root)
 
 
@@ -461,7 +547,7 @@ def world(tmp_path_factory):
 
     kept = os.environ.get("HF_TANGENT_DOCS_WORLD")
     root = Path(kept).resolve() if kept else tmp_path_factory.mktemp("documented")
-    root.mkdir(parents=True, exist_ok=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -484,37 +570,35 @@ def block_ids():
 @pytest.mark.docs
 @pytest.mark.parametrize("page,first,kind,timeout", PLAN, ids=block_ids())
 def test_documented_block_runs_as_written(world, page, first, kind, timeout):
-    _, fence, lines = planned(page, first)
+    lines = planned(page, first)[2]
     if kind == "gpu" and not torch.cuda.is_available():
-        if not any(r["page"] == page and r["line"] == fence for r in world.rows):
+        if not any(r["page"] == page and r["block"] == first for r in world.rows):
             for i, line in enumerate(lines):
-                world.record(page, fence, i, "not run", command(line), None, 0.0, None, "not run: needs a GPU")
+                world.record(page, first, i, "not run", command(line), None, 0.0, None, "not run: needs a GPU")
         pytest.skip("GPU lines: CUDA is not available here")
     if (page, first) not in world.todo:
         return  # passed in an earlier run of this world (HF_TANGENT_DOCS_WORLD); its rows stay in the table
     start = world.todo[page, first]
     steps = world.run_block(page, first, timeout, activate=kind not in ("setup", "suite"), start=start)
     failed = []
-    for i, (rc, seconds, log) in steps.items():
+    for i, (rc, seconds, output) in steps.items():  # every line's row first, then the offline commands
         text, offline = command(lines[i]), OFFLINE.search(lines[i])
-        if offline:  # as written: the Hub's error; then what the line says to run offline
-            ok = rc == 2 and HUB_ERROR.search(log) is not None
-            world.record(page, fence, i, "line", text, rc, seconds, ok)
-            if not ok:
-                failed.append(f"{text}: exit {rc}, expected 2 with hf_tangent's Hub error")
+        ok = rc == 2 and HUB_ERROR.search(output) is not None if offline else rc == 0
+        world.record(page, first, i, "line", text, rc, seconds, ok,
+                     "" if rc is not None else f"did not finish (the block's {timeout} s, or an earlier line stopped it)")
+        if not ok:
+            failed.append(f"{text}: exit {rc}" + (", expected 2 with hf_tangent's Hub error" if offline else ""))
+    for i in steps:
+        if offline := OFFLINE.search(lines[i]):  # as written: the Hub's error; then what the line says to run offline
             instead = offline.group("instead").strip()
             alt, alt_seconds = world_run_line(world, instead, timeout)
-            world.record(page, fence, i, "offline", instead, alt, alt_seconds, alt == 0, "the line's `# offline:` command")
+            world.record(page, first, i, "offline", instead, alt, alt_seconds, alt == 0, "the line's `# offline:` command")
             if alt != 0:
                 failed.append(f"{instead} (offline alternative): exit {alt}")
-        else:
-            world.record(page, fence, i, "line", text, rc, seconds, rc == 0)
-            if rc != 0:
-                failed.append(f"{text}: exit {rc}")
     assert not failed, f"{page}: " + "; ".join(failed)
     for i, line in enumerate(lines):
         if SERVER.match(command(line)) and i >= start:
-            serve_and_compare(world, page, fence, i, command(line), timeout)
+            serve_and_compare(world, page, first, i, command(line), timeout)
 
 
 def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, float]:
@@ -523,13 +607,14 @@ def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, f
     with open(world.root / "offline-alternative.log", "a") as out:
         run(["bash", "-c", world.script([text], log, True)], cwd=world.clone, env=world.env, stdout=out, timeout=timeout,
             pgid_file=world.root / "running.pgid")
-    if not log.is_file():
+    entries = [e.split() for e in log.read_text().splitlines() if e.startswith("@@ ")] if log.is_file() else []
+    if not entries:
         return None, 0.0
-    _, _, rc, t0, t1 = log.read_text().split()
+    _, _, rc, t0, t1 = entries[0]
     return int(rc), float(t1) - float(t0)
 
 
-def serve_and_compare(world: World, page: str, fence: int, step: int, text: str, timeout: int):
+def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int):
     """The server line as written (in .venv-vllm): one completion once /v1/models answers, its tokens equal to
     transformers' greedy tokens on the same folder; then the server's process group is stopped."""
     import hf_tangent as ht
@@ -574,7 +659,7 @@ def serve_and_compare(world: World, page: str, fence: int, step: int, text: str,
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     got = reply["choices"][0]["token_ids"]
-    world.record(page, fence, step, "served", text, "served", answered, got == expected,
+    world.record(page, first, step, "served", text, "served", answered, got == expected,
                  f"first answer after {answered:.0f} s; tokens {'equal to' if got == expected else 'NOT equal to'} "
                  "transformers' greedy tokens; stopped by the test")
     assert got == expected
