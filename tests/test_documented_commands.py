@@ -347,20 +347,17 @@ class World:
         path, lines = self.steps_file(page, first), planned(page, first)[2]
         if not path.is_file():
             return
-        entries = path.read_text().splitlines()
-        header = dict(kv.split("=", 1) for kv in entries[0][3:].split()) if entries and entries[0].startswith("## ") else {}
-        found = [entry.split() for entry in entries if entry.startswith("@@ ")]
-        start = int(header.get("start", min((int(e[1]) for e in found), default=0)))
+        header, found = read_steps(path)
+        start = int(header.get("start", min((i for i, *_ in found), default=0)))
         if self.progress(page, first) != start or any(r["page"] == page and r["block"] == first and r["step"] >= start
                                                       for r in self.rows):
             return
-        for _, i, rc, t0, t1 in found:
-            i = int(i)
-            if i != self.progress(page, first) or int(rc) != 0 or OFFLINE.search(lines[i]) or SERVER.match(command(lines[i])):
+        for i, rc, seconds, t1 in found:
+            if i != self.progress(page, first) or rc != 0 or OFFLINE.search(lines[i]) or SERVER.match(command(lines[i])):
                 break
-            self.record(page, first, i, "line", command(lines[i]), 0, float(t1) - float(t0), True,
+            self.record(page, first, i, "line", command(lines[i]), 0, seconds, True,
                         "from the step log of a run stopped inside the block", commit=header.get("commit") or None,
-                        at=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t1))))
+                        at=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t1)))
         path.unlink()
 
     def plan(self, cuda: bool) -> dict:
@@ -405,17 +402,21 @@ class World:
         text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
         output = {int(m.group(1)): m.group(2) for m in re.finditer(rf"^{STEP_MARK}(\d+)\n(.*?)(?=^{STEP_MARK}|\Z)", text,
                                                                     re.S | re.M)}
-        found = {}
-        for entry in steps.read_text().splitlines() if steps.is_file() else []:
-            if entry.startswith("@@ "):
-                _, i, rc, t0, t1 = entry.split()
-                found[int(i)] = (int(rc), float(t1) - float(t0))
+        found = {i: (rc, seconds) for i, rc, seconds, _ in read_steps(steps)[1]}
         steps.unlink(missing_ok=True)  # judged here; rows follow
         return {i: (*found.get(i, (None, 0.0)), output.get(i, "")) for i in range(start, len(lines))
                 if not SERVER.match(command(lines[i]))}
 
 
 _planned_original = planned
+
+
+def read_steps(path: Path) -> tuple[dict, list[tuple[int, int, float, float]]]:
+    """A step log (World.script): its header {start, commit} and (line, exit, seconds, end time) per finished line."""
+    entries = path.read_text().splitlines() if path.is_file() else []
+    header = dict(kv.split("=", 1) for kv in entries[0][3:].split()) if entries and entries[0].startswith("## ") else {}
+    found = [entry.split()[1:] for entry in entries if entry.startswith("@@ ")]
+    return header, [(int(i), int(rc), float(t1) - float(t0), float(t1)) for i, rc, t0, t1 in found]
 
 
 def _migrated(row: dict) -> dict:
@@ -607,11 +608,8 @@ def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, f
     with open(world.root / "offline-alternative.log", "a") as out:
         run(["bash", "-c", world.script([text], log, True)], cwd=world.clone, env=world.env, stdout=out, timeout=timeout,
             pgid_file=world.root / "running.pgid")
-    entries = [e.split() for e in log.read_text().splitlines() if e.startswith("@@ ")] if log.is_file() else []
-    if not entries:
-        return None, 0.0
-    _, _, rc, t0, t1 = entries[0]
-    return int(rc), float(t1) - float(t0)
+    entries = read_steps(log)[1]
+    return entries[0][1:3] if entries else (None, 0.0)
 
 
 def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int):
