@@ -1,12 +1,18 @@
 """Smoke runs of the three from-scratch studies, determinism, and bad input."""
 
+import glob
 import json
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 
 from hf_tangent import cli
 from hf_tangent.analysis import verdicts
 from hf_tangent.experiments import studies
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +193,16 @@ def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"differ in \['settings'\]"):
         studies.merge_reports([report, other])
+
+
+def test_the_kept_studies_page_is_what_its_regenerate_command_writes(tmp_path, monkeypatch):
+    """docs/studies.md's own "To regenerate" line, run as written (the shell's sorted glob) on the kept reports,
+    writes the page exactly (pinned: the kept page had the studies in another order than the command gives)."""
+    shutil.copytree(ROOT / "docs" / "results" / "studies", tmp_path / "docs" / "results" / "studies")
+    monkeypatch.chdir(tmp_path)
+    kept = (ROOT / "docs" / "studies.md").read_text(encoding="utf-8")
+    line = next(s for s in kept.splitlines() if s.startswith("`hf-tangent study-report "))
+    argv = shlex.split(line.strip("`.").removeprefix("hf-tangent "))
+    argv = [a for pattern in argv for a in (sorted(glob.glob(pattern)) if "*" in pattern else [pattern])]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "docs" / "studies.md").read_text(encoding="utf-8") == kept
