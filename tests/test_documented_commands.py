@@ -143,6 +143,10 @@ def _synthetic(monkeypatch, blocks: dict):
                                                                             blocks[page, first]))
 
 
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}  # tests' repos
+
+
 def _fake_clone(root: Path) -> Path:
     (root / "clone" / ".venv" / "bin").mkdir(parents=True)
     (root / "clone" / ".venv" / "bin" / "activate").write_text("export IN_VENV=1\n")
@@ -233,8 +237,7 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     (tmp_path / "old" / TABLE).write_text("[]")
     with pytest.raises(AssertionError, match="holds files but no clone"):
         open_world(tmp_path / "old")
-    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    git = GIT_ENV
     monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent eval", "cpu", 60)])
     monkeypatch.setattr(sys.modules[__name__], "planned", _planned_original)
     origin, later = tmp_path / "origin", tmp_path / "later"
@@ -318,8 +321,7 @@ def test_a_server_runs_after_its_blocks_activations():
 def test_the_readmes_test_command_runs_in_a_fresh_clone_at_the_worlds_commit(tmp_path, monkeypatch):
     """Not in the world's clone, where documented commands left runs/ and rewrote tracked files (study-report's
     docs/studies.md); an earlier attempt's suite clone is replaced."""
-    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    git = GIT_ENV
     origin, root = tmp_path / "origin", tmp_path / "w"
     (origin / "docs").mkdir(parents=True)
     (origin / "docs" / "studies.md").write_text("kept\n")
