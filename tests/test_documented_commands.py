@@ -261,6 +261,39 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     assert resumable(later, origin)[0].startswith("the clone's commit")
 
 
+def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(tmp_path):
+    """Moving a world's clone to a later commit that changed a file a documented command rewrote (study-report's
+    docs/studies.md; plain git checkout refused it, which stopped a resume): the commit's other files come, what the
+    commands wrote (rewritten, deleted, new at a path the commit adds) stays as they left it, runs/ untouched."""
+    git = GIT_ENV
+    origin, clone = tmp_path / "origin", tmp_path / "clone"
+    (origin / "docs").mkdir(parents=True)
+    for name, text in (("studies.md", "kept\n"), ("gone.md", "kept\n"), ("prose.md", "old\n")):
+        (origin / "docs" / name).write_text(text)
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(clone)], check=True, env=git)
+    (clone / "docs" / "studies.md").write_text("rewritten by study-report\n")
+    (clone / "docs" / "gone.md").unlink()
+    (clone / "docs" / "new.md").write_text("written by a command\n")
+    (clone / "runs").mkdir()
+    (clone / "runs" / "report.json").write_text("{}")
+    for name, text in (("studies.md", "regenerated\n"), ("gone.md", "changed\n"), ("prose.md", "new\n"),
+                       ("new.md", "committed\n")):
+        (origin / "docs" / name).write_text(text)
+    for argv in (["add", "-A"], ["commit", "-qm", "b"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    move_clone(clone, origin)
+    assert _head(clone) == _head(origin)
+    assert (clone / "docs" / "prose.md").read_text() == "new\n"
+    assert (clone / "docs" / "studies.md").read_text() == "rewritten by study-report\n"
+    assert not (clone / "docs" / "gone.md").exists()
+    assert (clone / "docs" / "new.md").read_text() == "written by a command\n"
+    assert (clone / "runs" / "report.json").read_text() == "{}"
+    move_clone(clone, origin)  # at the same commit: nothing to do
+    assert (clone / "docs" / "studies.md").read_text() == "rewritten by study-report\n"
+
+
 def test_a_block_a_stopped_run_left_running_is_stopped_and_nothing_else(tmp_path):
     root = _fake_clone(tmp_path / "w")
     (root / "suite").mkdir()
@@ -618,6 +651,35 @@ def resumable(clone: Path, root: Path = ROOT) -> list[str]:
     return changed
 
 
+def move_clone(clone: Path, root: Path = ROOT) -> None:
+    """The clone moved to `root`'s HEAD. What documented commands wrote stays as they left it: tracked files they
+    rewrote (study-report rewrites docs/studies.md and docs/results/studies/), also where the new commit changes
+    them (git's checkout refuses those), and untracked files at paths the new commit tracks."""
+    def git(*argv, out=True):
+        done = subprocess.run(["git", *argv], cwd=clone, capture_output=True)
+        assert done.returncode == 0, f"{clone}: git {' '.join(argv)}: {done.stderr.decode(errors='replace')}"
+        return [os.fsdecode(p) for p in done.stdout.split(b"\0") if p] if out else None
+
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout
+    if _head(clone) == here.strip():
+        return
+    git("fetch", "--quiet", str(root), "HEAD", out=False)
+    touched = set(git("diff", "--name-only", "-z", "HEAD")) | (
+        set(git("ls-files", "--others", "-z")) & set(git("diff", "--name-only", "-z", "HEAD", "FETCH_HEAD")))
+    kept = {path: (clone / path).read_bytes() if (clone / path).is_file() else None for path in sorted(touched)}
+    git("checkout", "--quiet", "--force", "FETCH_HEAD", out=False)
+    for path, data in kept.items():
+        if data is None:
+            (clone / path).unlink(missing_ok=True)
+        else:
+            (clone / path).parent.mkdir(parents=True, exist_ok=True)
+            (clone / path).write_bytes(data)
+
+
+def _head(clone: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def open_world(root: Path) -> World:
     """A new world (a fresh clone of this checkout's HEAD) or, where `root` holds one, the same world going on:
     what a killed run left running stopped, the lines that finished read from their step logs at the clone's
@@ -630,11 +692,7 @@ def open_world(root: Path) -> World:
         world = World(root)
         for page, first, _, _ in PLAN:
             world.recover(page, first)
-        here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-        if world.head() != here.strip():  # tracked files a documented command rewrote stay (no --force)
-            for argv in (["fetch", "--quiet", str(ROOT), "HEAD"], ["checkout", "--quiet", "FETCH_HEAD"]):
-                moved = subprocess.run(["git", *argv], cwd=root / "clone", capture_output=True, text=True)
-                assert moved.returncode == 0, f"{root / 'clone'}: git {' '.join(argv)}: {moved.stderr}"
+        move_clone(root / "clone")
         return world
     assert not root.exists() or not any(root.iterdir()), (
         f"HF_TANGENT_DOCS_WORLD={root} holds files but no clone; name a new or empty folder.")
