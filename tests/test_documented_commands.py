@@ -91,7 +91,7 @@ PLAN = [
     ("docs/recipes.md", "python -c \"import hf_tangent.recipes", "cpu", 600),
     ("docs/recipes.md", "python -c \"from hf_tangent.experiments.runs import recover_run_folder", "cpu", 600),
     ("docs/studies-guide.md", "hf-tangent study tangential --scale cpu", "cpu", 3 * 3600),
-    ("docs/recipes.md", "hf-tangent heal --recipe heal_long --corpus mixed", "cpu", 6 * 3600),  # rewrites heal_parallel
+    ("docs/recipes.md", "hf-tangent heal --recipe heal_long --corpus mixed", "cpu", 6 * 3600),
     ("README.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/serving.md", "pip install -e '.[vllm]'", "gpu", 3600),
     ("docs/recipes.md", "accelerate launch --config_file recipes/accelerate/ddp.yaml", "gpu", 6 * 3600),
@@ -158,8 +158,8 @@ def test_every_documented_block_is_planned_and_every_plan_is_documented():
 
 
 COMMAND_SPAN = re.compile(r"^(\$ |[A-Z_][A-Z0-9_]*=\S* )*(\./\S+|\.\s+\S+/activate|source |hf-tangent|pip3?|python[\d.]*|"
-                          r"uv|conda|git|lm_eval|lm-eval|torchrun|accelerate|vllm|docker|\.ci/run)(\s|$)")
-FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w/.-])(FOLDER|REPO|PATCH|N|FILE|PATH)(?![\w/.-])")  # placeholders
+                          r"uv|conda|git|lm_eval|lm-eval|torchrun|accelerate|vllm|docker|\.ci/run|\S+\.(py|sh)(?=\s+\S))(\s|$)")
+FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w/.-])(FOLDER|REPO|PATCH|N|FILE|PATH)(?![\w/.=-])")  # placeholders
 NAME = re.compile(r"^(hf-tangent( [\w-]+)?|torchrun|accelerate( launch)?|lm_eval|lm-eval|vllm|python -m pytest|"
                   r"\./[\w-]+/?)$")  # a command's name, a folder
 MAINTAINERS = "a maintainers' command, not a user's: "
@@ -183,6 +183,9 @@ INLINE_NOT_RUN = {
     ("docs/studies.md", "hf-tangent study-report docs/results/studies/*/report.json --output docs/studies.md"):
         "tests/test_studies.py runs it on the kept reports in the default suite and compares the page exactly",
     ("docs/geometry.md", "hf-tangent ablate --layerwise"): "names the report --ablation-report reads",
+    ("docs/performance.md", "benchmarks/decode_speed.py --calls"): MAINTAINERS + "a benchmark, the source of a kept "
+                                                                    "report (benchmarks print ratios where they run)",
+    ("docs/serving.md", "benchmarks/gpu_check.py --vllm"): MAINTAINERS + "a GPU check (this machine has no GPU)",
     ("docs/recipes.md", "hf-tangent eval --corpus mixed"): "names the option; docs/recipes.md's eval block runs it",
 }
 
@@ -344,18 +347,23 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
     (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n\nProse.\n\n```bash\nhf-tangent eval\n```\n")
     assert resumable(later, origin) == []  # a block added: it runs, and every later one (World.plan)
     assert resumable(later, origin, eval_row) == [  # ... but not after the output of a block PLAN puts after it
-        "the block of README.md:1 (hf-tangent diagnose): added before blocks that already ran"]
+        "the block of README.md:1 (hf-tangent diagnose): new or changed, before blocks that already ran"]
     assert resumable(later, origin, [{**eval_row[0], "kind": "not run"}]) == []
-    gone = ["the block of README.md:1 at the clone's commit (hf-tangent eval): changed or removed"]
-    (origin / "README.md").write_text("```bash\nhf-tangent diagnose\n```\n")
-    assert resumable(later, origin) == gone  # a block removed
-    (origin / "README.md").write_text("```bash\nhf-tangent evaluate\n```\n")
-    assert resumable(later, origin) == gone  # its first command changed: not a new block
-    (origin / "docs").mkdir()
-    (origin / "docs" / "x.md").write_text("```bash\nhf-tangent eval\n```\n")
-    assert resumable(later, origin) == gone  # moved to another page
-    (origin / "README.md").write_text("```bash\nhf-tangent eval --seq_len 256\n```\n")  # what this run reads
-    assert resumable(later, origin) == gone
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent diagnose", "cpu", 60),
+                                                        ("README.md", "hf-tangent eval", "suite", 60)])
+    assert resumable(later, origin, eval_row) == []  # the README's test command runs in a clone of its own
+    monkeypatch.setattr(sys.modules[__name__], "PLAN", [("README.md", "hf-tangent diagnose", "cpu", 60),
+                                                        ("README.md", "hf-tangent eval", "cpu", 60)])
+    (origin / "README.md").write_text("```bash\nhf-tangent eval   # a comment, not what runs\n```\n")
+    assert resumable(later, origin, eval_row) == []
+    gone = ["the block of README.md:1 at the clone's commit (hf-tangent eval): it ran, and changed or went"]
+    for readme in ("No blocks.\n",  # removed
+                   "```bash\nhf-tangent evaluate\n```\n",  # its first command changed: not a new block
+                   "```bash\nhf-tangent eval --seq_len 256\n```\n",  # what it runs changed
+                   "```bash\nhf-tangent eval  # offline: hf-tangent eval --model x\n```\n"):  # its offline command
+        (origin / "README.md").write_text(readme)
+        assert resumable(later, origin, eval_row) == gone, readme
+        assert resumable(later, origin) == []  # one that never ran may change or go
     subprocess.run(["git", "commit", "-q", "--allow-empty", "-m", "c"], cwd=later, check=True, env=git)
     assert resumable(later, origin)[0].startswith("the clone's commit")
 
@@ -377,6 +385,12 @@ def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(t
     (clone / "docs" / "new.md").write_text("written by a command\n")
     (clone / "runs").mkdir()
     (clone / "runs" / "report.json").write_text("{}")
+    (clone / "docs" / "studies.md").chmod(0o755)
+    (clone / ".venv" / "lib").mkdir(parents=True)  # what a venv has: lib64 -> lib, not a file
+    (clone / ".venv" / "lib64").symlink_to("lib")
+    (clone / "runs" / "dangling").symlink_to("nowhere")
+    subprocess.run(["git", "init", "-q", str(clone / "runs" / "repo")], check=True, env=git)  # listed as runs/repo/
+    (clone / "runs" / "repo" / "f").write_text("a repository a command made\n")
     for name, text in (("studies.md", "regenerated\n"), ("gone.md", "changed\n"), ("prose.md", "new\n"),
                        ("new.md", "committed\n")):
         (origin / "docs" / name).write_text(text)
@@ -386,6 +400,9 @@ def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(t
     assert _head(clone) == _head(origin)
     assert (clone / "docs" / "prose.md").read_text() == "new\n"
     assert (clone / "docs" / "studies.md").read_text() == "rewritten by study-report\n"
+    assert (clone / "docs" / "studies.md").stat().st_mode & 0o777 == 0o755
+    assert (clone / ".venv" / "lib64").is_symlink() and (clone / "runs" / "dangling").is_symlink()
+    assert (clone / "runs" / "repo" / "f").is_file() and not (tmp_path / KEPT).exists()
     assert not (clone / "docs" / "gone.md").exists()
     assert (clone / "docs" / "new.md").read_text() == "written by a command\n"
     assert (clone / "runs" / "report.json").read_text() == "{}"
@@ -408,7 +425,7 @@ def test_a_blocks_step_log_keeps_its_name_when_a_block_is_added_above(tmp_path, 
 
 @pytest.mark.parametrize("case", ["tracked file, a folder in the new commit", "untracked file, a folder in the new commit",
                                   "untracked folder, a file in the new commit", "a folder in place of a tracked file",
-                                  "a link in place of a tracked file"])
+                                  "a link in place of a tracked file", "untracked file, a submodule in the new commit"])
 def test_a_kept_worlds_clone_does_not_move_over_what_documented_commands_wrote(tmp_path, case):
     """Where the new commit's files and what the commands wrote are in each other's way, nothing moves (git's
     checkout --force would delete them) and the error names the path; a stopped move is refused."""
@@ -437,10 +454,14 @@ def test_a_kept_worlds_clone_does_not_move_over_what_documented_commands_wrote(t
         (clone / "docs" / "x").mkdir()
         (clone / "docs" / "x" / "f").write_text("written\n")
         (origin / "docs" / "y").write_text("new\n")
-    else:
+    elif case.startswith("a link"):
         (clone / "docs" / "x").unlink()
         (clone / "docs" / "x").symlink_to("elsewhere")
         (origin / "docs" / "x").write_text("changed\n")
+    else:
+        (clone / "out").write_text("written\n")
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=origin, capture_output=True, text=True).stdout.strip()
+        subprocess.run(["git", "update-index", "--add", "--cacheinfo", f"160000,{sha},out"], cwd=origin, check=True)
     for argv in (["add", "-A"], ["commit", "-qm", "b"]):
         subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
     head, listing = _head(clone), sorted(str(q.relative_to(clone)) for q in clone.rglob("*") if ".git" not in q.parts)
@@ -789,10 +810,11 @@ PACKAGE = ("hf_tangent", "recipes", "model_cards", "pyproject.toml")  # what a w
 
 def resumable(clone: Path, root: Path = ROOT, rows: list[dict] = ()) -> list[str]:
     """What differs between an earlier world's clone and the checkout `root` (nothing: the world goes on): the
-    package at the two commits; every bash block of the clone's commit that this checkout does not have (its
-    lines changed, or it went; a block may move on its page); a block this checkout adds that PLAN puts before a
-    block with rows (it would run after their output, which a fresh clone does not have). An added block after
-    them runs, and every later block with it (World.plan)."""
+    package at the two commits; a bash block of the clone's commit that ran (`rows`: rows or a step log; the
+    README's test command aside, which runs in a clone of its own) and that this checkout does not have (what it
+    runs changed, or it went; it may move on its page, its comments may change); a block this checkout adds or
+    changes that PLAN puts before a block that ran (it would run after their output, which a fresh clone does
+    not have). One after them runs, and every later block with it (World.plan)."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True, check=True).stdout.strip()
     if subprocess.run(["git", "cat-file", "-e", f"{head}^{{commit}}"], cwd=root, capture_output=True).returncode:
         return [f"the clone's commit {head}, which this checkout does not have"]
@@ -809,17 +831,21 @@ def resumable(clone: Path, root: Path = ROOT, rows: list[dict] = ()) -> list[str
     listed = subprocess.run(["git", "ls-tree", "--name-only", head, "README.md", "docs/"], cwd=root, capture_output=True,
                             text=True, check=True).stdout.split()
     pages_then = [page for page in listed if page == "README.md" or re.fullmatch(r"docs/[^/]+\.md", page)]
+    def runs(page, lines):  # what runs: each line's command and its `# offline:` command (comments aside)
+        return page, tuple((command(line), m and m.group("instead").strip()) for line in lines for m in [OFFLINE.search(line)])
+
+    suite = {(page, first) for page, first, kind, _ in PLAN if kind == "suite"}  # it runs in a clone of its own
+    ran = {(r["page"], r["block"]) for r in rows if r["kind"] != "not run"} - suite
     then_blocks = bash_blocks(at_head, pages_then)
-    now_blocks = {(page, tuple(lines)) for page, _, lines in bash_blocks(now)}
-    for page, n, lines in then_blocks:
-        if (page, tuple(lines)) not in now_blocks:
-            changed.append(f"the block of {page}:{n} at the clone's commit ({lines[0]}): changed or removed")
-    had = {(page, tuple(lines)) for page, _, lines in then_blocks}
-    ran = {(r["page"], r["block"]) for r in rows if r["kind"] != "not run"}
+    now_blocks = {runs(page, lines) for page, _, lines in bash_blocks(now)}
+    for page, n, lines in then_blocks:  # one that never ran may change or go: like an added one, below
+        if runs(page, lines) not in now_blocks and any(p == page and command(lines[0]).startswith(f) for p, f in ran):
+            changed.append(f"the block of {page}:{n} at the clone's commit ({lines[0]}): it ran, and changed or went")
+    had = {runs(page, lines) for page, _, lines in then_blocks}
     for i, (page, first, _, _) in enumerate(PLAN):
         block = planned(page, first, now)
-        if block and (page, tuple(block[2])) not in had and any((p, f) in ran for p, f, _, _ in PLAN[i + 1:]):
-            changed.append(f"the block of {page}:{block[1]} ({first}): added before blocks that already ran")
+        if block and runs(page, block[2]) not in had and any((p, f) in ran for p, f, _, _ in PLAN[i + 1:]):
+            changed.append(f"the block of {page}:{block[1]} ({first}): new or changed, before blocks that already ran")
     return changed
 
 
@@ -847,8 +873,10 @@ def move_clone(clone: Path, root: Path = ROOT) -> None:
         return
     git("fetch", "--quiet", str(root), "HEAD", out=False)
     untracked = git("ls-files", "--others", "-z")
-    files = set(git("ls-tree", "-r", "-z", "--name-only", "FETCH_HEAD"))
-    folders = {str(a) for f in files for a in Path(f).parents}
+    entries = [entry.split("\t", 1) for entry in git("ls-tree", "-r", "-z", "FETCH_HEAD")]  # "mode type sha", path
+    files = {path for head_, path in entries if not head_.startswith("160000")}
+    folders = {str(a) for _, f in entries for a in Path(f).parents} | {path for head_, path in entries
+                                                                       if head_.startswith("160000")}  # submodules
     kept = sorted(set(git("diff", "--name-only", "-z", "HEAD")) | (set(untracked) & files))  # what checkout touches
     blocked = [path for path in sorted(set(untracked) | set(kept))
                if path in folders or any(str(a) in files for a in Path(path).parents)]
@@ -860,7 +888,7 @@ def move_clone(clone: Path, root: Path = ROOT) -> None:
     for path in kept:
         if (clone / path).is_file():
             (waiting / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(clone / path, waiting / path)
+            shutil.copy2(clone / path, waiting / path)
     git("checkout", "--quiet", "--force", "FETCH_HEAD", out=False)
     for path in kept:
         if (waiting / path).is_file():
@@ -869,7 +897,7 @@ def move_clone(clone: Path, root: Path = ROOT) -> None:
             os.replace(waiting / path, clone / path)
         elif (clone / path).is_file():  # a tracked file a command deleted
             (clone / path).unlink()
-    lost = [path for path in untracked if not (clone / path).is_file()]
+    lost = [path for path in untracked if not os.path.lexists(clone / path.rstrip("/"))]  # links (lib64), repos
     assert not lost, f"{clone}: after the move, files documented commands wrote are missing: {lost[:5]}"
     shutil.rmtree(waiting)
 
