@@ -234,6 +234,16 @@ GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT
            "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}  # tests' repos
 
 
+def _repo_and_clone(origin: Path, clone: Path, files: dict) -> None:
+    """A git repository at `origin` with `files` {path: text} committed, and a clone of it at `clone`."""
+    for name, text in files.items():
+        (origin / name).parent.mkdir(parents=True, exist_ok=True)
+        (origin / name).write_text(text)
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        subprocess.run(["git", *argv], cwd=origin, check=True, env=GIT_ENV)
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(clone)], check=True, env=GIT_ENV)
+
+
 def _fake_clone(root: Path) -> Path:
     (root / "clone" / ".venv" / "bin").mkdir(parents=True)
     (root / "clone" / ".venv" / "bin" / "activate").write_text("export IN_VENV=1\n")
@@ -374,12 +384,7 @@ def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(t
     commands wrote (rewritten, deleted, new at a path the commit adds) stays as they left it, runs/ untouched."""
     git = GIT_ENV
     origin, clone = tmp_path / "origin", tmp_path / "clone"
-    (origin / "docs").mkdir(parents=True)
-    for name, text in (("studies.md", "kept\n"), ("gone.md", "kept\n"), ("prose.md", "old\n")):
-        (origin / "docs" / name).write_text(text)
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
-        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
-    subprocess.run(["git", "clone", "--quiet", str(origin), str(clone)], check=True, env=git)
+    _repo_and_clone(origin, clone, {"docs/studies.md": "kept\n", "docs/gone.md": "kept\n", "docs/prose.md": "old\n"})
     (clone / "docs" / "studies.md").write_text("rewritten by study-report\n")
     (clone / "docs" / "gone.md").unlink()
     (clone / "docs" / "new.md").write_text("written by a command\n")
@@ -431,11 +436,7 @@ def test_a_kept_worlds_clone_does_not_move_over_what_documented_commands_wrote(t
     checkout --force would delete them) and the error names the path; a stopped move is refused."""
     git = GIT_ENV
     origin, clone = tmp_path / "origin", tmp_path / "clone"
-    (origin / "docs").mkdir(parents=True)
-    (origin / "docs" / "x").write_text("kept\n")
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
-        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
-    subprocess.run(["git", "clone", "--quiet", str(origin), str(clone)], check=True, env=git)
+    _repo_and_clone(origin, clone, {"docs/x": "kept\n"})
     if case.startswith("tracked file"):
         (clone / "docs" / "x").write_text("written\n")
         (origin / "docs" / "x").unlink()
@@ -536,11 +537,7 @@ def test_the_readmes_test_command_runs_in_a_fresh_clone_at_the_worlds_commit(tmp
     docs/studies.md); an earlier attempt's suite clone is replaced."""
     git = GIT_ENV
     origin, root = tmp_path / "origin", tmp_path / "w"
-    (origin / "docs").mkdir(parents=True)
-    (origin / "docs" / "studies.md").write_text("kept\n")
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
-        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
-    subprocess.run(["git", "clone", "--quiet", str(origin), str(root / "clone")], check=True, env=git)
+    _repo_and_clone(origin, root / "clone", {"docs/studies.md": "kept\n"})
     (root / "clone" / "docs" / "studies.md").write_text("rewritten by study-report\n")
     (root / "clone" / "runs").mkdir()
     (origin / "docs" / "studies.md").write_text("a later commit\n")
