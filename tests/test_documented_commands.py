@@ -42,6 +42,11 @@ default run checks it).
   first) drops them (that block and every later one then run again). A block a killed run left running
   in the world (the clone or the suite's) is stopped first; two runs on one FOLDER are refused. FOLDER
   must lie outside pytest's --basetemp, which pytest empties at start (tests/conftest.py refuses it).
+- pytest's selection (node ids in PLAN's order, -k, --lf) runs some blocks only: each after the lines it reads
+  that have not passed in the world (the README's main job; NEEDS: heal_parallel's patch, lm-eval's install, the
+  export, runs/latest), run once as written and recorded as their own blocks' rows (note "run first"). A block
+  left out keeps its rows unless it comes after a block that runs. A new machine has no kept world: the blocks
+  still to prove run in one session this way.
 
 Without the marker (the default run): every bash block is in PLAN and every planned block is in the
 docs, and every inline command is a block's line or listed, so a new documented command cannot go unplanned."""
@@ -102,11 +107,19 @@ PLAN = [
 # of some blocks only (pytest's own selection: node ids or -k) runs such a line first where it has not passed in the
 # world, and records it as that block's row.
 HEAL_PARALLEL = ("docs/recipes.md", "hf-tangent heal --recipe heal_default", "hf-tangent heal --recipe heal_parallel --save_models")
+LM_EVAL_INSTALL = ("docs/lm-eval.md", "pip install -e '.[eval]'", "pip install -e '.[eval]'")  # the main job's is -e .
+EXPORT = ("docs/serving.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder",
+          "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder")
 NEEDS = {
     ("docs/recipes.md", "hf-tangent eval --model runs/heal_parallel/runs/seed0/patch"): [HEAL_PARALLEL],
     ("docs/lm-eval.md", "pip install -e '.[eval]'"): [HEAL_PARALLEL],
-    ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100"): [HEAL_PARALLEL],
+    ("docs/lm-eval.md", "hf-tangent export --patch runs/offline_default/patch --output my-patched-folder"): [LM_EVAL_INSTALL],
+    ("docs/lm-eval.md", "hf-tangent lm-eval --tasks austen_nextsentence --limit 100"): [LM_EVAL_INSTALL, HEAL_PARALLEL],
     ("docs/lm-eval.md", "python3 -m venv .venv-vllm && . .venv-vllm/bin/activate"): [HEAL_PARALLEL],
+    ("docs/recipes.md", "python -c \"from hf_tangent.experiments.runs import recover_run_folder"): [
+        ("README.md", "hf-tangent eval", "hf-tangent eval")],  # runs/latest: eval's default output folder
+    ("README.md", "pip install -e '.[vllm]'"): [EXPORT],
+    ("docs/serving.md", "pip install -e '.[vllm]'"): [EXPORT],
 }
 SERVER = re.compile(r"^(python -m vllm\.entrypoints\.openai\.api_server|vllm serve)\b")
 OFFLINE = re.compile(r"#\s*offline:\s*(?P<instead>.+)$")
@@ -445,20 +458,20 @@ def test_a_selected_block_runs_after_the_lines_it_reads_and_nothing_else(tmp_pat
     runs; the blocks left out are neither run nor forgotten."""
     module = sys.modules[__name__]
     setup, heal, reads, other = ("s.md", "echo s > setup"), ("h.md", "touch h0"), ("c.md", "cat h1 setup"), ("o.md", "true")
-    blocks = {setup: ["echo s > setup"], heal: ["touch h0", "echo h1 > h1", "touch h2"], reads: ["cat h1 setup"],
-              other: ["true"]}
+    blocks = {setup: ['test -z "$IN_VENV" && echo s > setup'], heal: ["touch h0", "echo h1 > h1", "touch h2"],
+              reads: ["cat h1 setup"], other: ["true"]}  # the main job's line runs outside .venv, which it makes
     monkeypatch.setattr(module, "PLAN", [(*setup, "setup", 60), (*heal, "cpu", 60), (*reads, "cpu", 60), (*other, "cpu", 60)])
     monkeypatch.setattr(module, "planned", lambda page, first, read=None: (page, 1, blocks[page, first]))
     monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "echo h1 > h1")]})
     root = _fake_clone(tmp_path / "w")
     world = World(root)
-    world.record(*other, 0, "line", "true", 0, 1.0, True)
+    world.record(*other, 0, "line", "true", 0, 1.0, True)  # after the block that runs: it may read its output
+    world.record(*heal, 2, "line", "touch h2", 0, 1.0, True)  # made after its line 1 failed: forgotten when it runs
     world.todo = world.plan(cuda=False, selected={reads})
     assert world.todo == {reads: 0}
     test_documented_block_runs_as_written(world, *reads, "cpu", 60)
     rows = [(r["page"], r["step"], r["ok"], r["note"][:9]) for r in World(root).rows]
-    assert rows == [("o.md", 0, True, ""), ("s.md", 0, True, "run first"), ("h.md", 1, True, "run first"),
-                    ("c.md", 0, True, "")]
+    assert rows == [("s.md", 0, True, "run first"), ("h.md", 1, True, "run first"), ("c.md", 0, True, "")]
     assert sorted(p.name for p in world.clone.iterdir() if not p.name.startswith(".")) == ["h1", "setup"]  # not h0, h2
     assert "s\n" in (root / f"{block_name(*reads)}.log").read_text()  # cat h1 setup: setup's output, read
     world.forget(*reads)  # again: what it reads passed here, and does not run again
@@ -474,14 +487,57 @@ def test_a_selected_block_runs_after_the_lines_it_reads_and_nothing_else(tmp_pat
     with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md's block reads: exit 3"):
         test_documented_block_runs_as_written(world, *reads, "cpu", 60)
     assert not [r for r in World(root).rows if r["page"] == "c.md"]
-    assert ("o.md", 0) in [(r["page"], r["step"]) for r in World(root).rows]  # left out: kept
+    before = len(World(root).rows)  # a second block that reads it, in the same run: refused at once, not run again
+    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md's block reads, did not pass in this run"):
+        test_documented_block_runs_as_written(world, *reads, "cpu", 60)
+    assert len(World(root).rows) == before
+
+    # a selected block that runs again makes every later block run again, selected or not; a selected needed
+    # block runs in its own test (before, in PLAN's order), not as a need
+    blocks[heal][1] = "echo h1 > h1"
+    monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "echo h1 > h1")]})
+    again = World(root)
+    again.todo = again.plan(cuda=False, selected={heal})
+    assert again.todo == {heal: 0} and not [r for r in again.rows if r["page"] == "c.md"]
+    assert "s.md" in [r["page"] for r in again.rows]  # before it: kept
+    third = World(root)
+    third.todo = third.plan(cuda=False, selected={heal, reads})
+    with pytest.raises(AssertionError, match=r"echo h1 > h1 \(h.md\), which c.md's block reads, did not pass"):
+        test_documented_block_runs_as_written(third, *reads, "cpu", 60)  # its own test did not run (or failed)
 
 
-def test_every_need_names_a_planned_line():
+def test_every_need_names_an_earlier_planned_line_that_runs_alone():
+    """A needed line comes from a block before its reader in PLAN, and is one that run_needed can judge by its exit:
+    not a server, not in the background, not a Hub-id line (whose expected exit is 2)."""
+    blocks = [(page, first) for page, first, _, _ in PLAN]
     for block, found in NEEDS.items():
-        assert block in [(page, first) for page, first, _, _ in PLAN]
-        kind = next(k for page, first, k, _ in PLAN if (page, first) == block)
+        kind = PLAN[blocks.index(block)][2]
         assert len(needs(*block, kind)) == 1 + len(found)
+        for page, first, step in needs(*block, kind):
+            assert blocks.index((page, first)) < blocks.index(block), (block, page, first)
+            line = planned(page, first)[2][step]
+            assert not SERVER.match(command(line)) and not OFFLINE.search(line) and not command(line).endswith(" &")
+    assert needs(*PLAN[0][:2], "setup") == [] and needs(*PLAN[-1][:2], "suite") == []
+
+
+def test_a_run_of_some_blocks_is_refused_out_of_plans_order_and_keeps_the_rows_of_those_left_out(tmp_path):
+    """The fixture: pytest's selection reaches the plan (a kept world's rows of a block left out stay), and node ids
+    in another order than PLAN's are refused before anything runs."""
+    root = tmp_path / "world"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
+    kept = {"page": "docs/diagnostics.md", "line": 1, "block": PLAN[1][1], "step": 0, "kind": "line", "command": "x",
+            "exit": 0, "seconds": 1.0, "ok": True, "note": "", "commit": "abc1234", "at": "2026-01-01 00:00:00"}
+    (root / TABLE).write_text(json.dumps([kept]))
+    gpu = [f"{__file__}::test_documented_block_runs_as_written[{i}]" for i, (_, _, kind, _) in zip(block_ids(), PLAN, strict=True)
+           if kind == "gpu"][:2]
+    env = {**os.environ, "HF_TANGENT_DOCS_WORLD": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    for ids, expected in ((gpu[::-1], "give their node ids in that order"), (gpu, "2 skipped")):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-m", "docs", "-p", "no:cacheprovider", "-q", "-s",
+                               "--basetemp", str(tmp_path / "bt"), *ids], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert expected in done.stdout, done.stdout[-3000:]
+    rows = json.loads((root / TABLE).read_text())
+    assert kept in rows and {r["kind"] for r in rows if r != kept} == {"not run"}  # the main job did not run: kept
 
 
 def test_a_blocks_step_log_keeps_its_name_when_a_block_is_added_above(tmp_path, monkeypatch):
@@ -661,6 +717,7 @@ class World:
         table = root / TABLE
         self.rows = [_migrated(r) for r in json.loads(table.read_text(encoding="utf-8"))] if table.is_file() else []
         self.env = {k: v for k, v in started_with().items() if k not in SUITE_ONLY}
+        self.selected, self.failed_needs = {(page, first) for page, first, _, _ in PLAN}, set()  # plan() sets the first
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if not p.startswith(str(Path(sys.executable).parent)))
 
@@ -742,10 +799,15 @@ class World:
         one; it goes on at its first line that did not pass (from its first where a line runs in the background);
         every block after it runs again from its first line, its rows and step log forgotten. The README's test
         command counts only at the clone's commit (it runs the checkout's tests, which are not the package).
-        `selected` (pytest's selection; all of PLAN by default): the blocks left out are neither run nor forgotten."""
+        `selected` (pytest's selection; all of PLAN by default): a block left out does not run, and keeps its rows
+        unless it comes after one that runs."""
         todo, going, head = {}, False, self.head()
+        self.selected = {(page, first) for page, first, _, _ in PLAN} if selected is None else set(selected)
         for page, first, kind, _ in PLAN:
-            if kind == "gpu" and not cuda or selected is not None and (page, first) not in selected:
+            if going and (page, first) not in self.selected:
+                self.forget(page, first)  # it may read what a block that runs again writes
+                continue
+            if kind == "gpu" and not cuda or (page, first) not in self.selected:
                 continue
             if going:
                 self.forget(page, first)
@@ -1001,8 +1063,12 @@ def world(tmp_path_factory, request):
     import fcntl
 
     kept = os.environ.get("HF_TANGENT_DOCS_WORLD")
-    selected = {(item.callspec.params["page"], item.callspec.params["first"]) for item in request.session.items
-                if getattr(item, "originalname", None) == "test_documented_block_runs_as_written"}
+    order = [(item.callspec.params["page"], item.callspec.params["first"]) for item in request.session.items
+             if getattr(item, "originalname", None) == "test_documented_block_runs_as_written"]
+    selected = set(order)
+    if order != [(page, first) for page, first, _, _ in PLAN if (page, first) in selected]:
+        pytest.fail("the blocks run in PLAN's order (a later one reads what an earlier one writes): "
+                    "give their node ids in that order, or select them with -k")
     root = Path(kept).resolve() if kept else tmp_path_factory.mktemp("documented")
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
@@ -1062,17 +1128,23 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
 
 
 def run_needed(world: World, page: str, first: str, kind: str) -> None:
-    """Each line whose output the block reads (needs) that has not passed in this world (its block was not selected,
-    or never ran here), run as written and recorded as its block's row; a run of the whole PLAN has them all."""
+    """Each line whose output the block reads (needs) that has not passed in this world, where its block is not
+    selected (a selected one runs before, in its own test), run once as written and recorded as its block's row;
+    that block's later rows are forgotten (they were made after the line failed, or never)."""
     for p, f, step in needs(page, first, kind):
         last = world._last(p, f, step, "line")
         if last and last["ok"] is True:
             continue
+        text = command(planned(p, f)[2][step])
+        assert (p, f) not in world.selected and (p, f, step) not in world.failed_needs, (
+            f"{text} ({p}), which {page}'s block reads, did not pass in this run")
         need_kind, need_timeout = next((k, t) for pp, ff, k, t in PLAN if (pp, ff) == (p, f))
         rc, seconds, _ = world.run_block(p, f, need_timeout, activate=need_kind not in ("setup", "suite"), start=step,
                                          stop=step + 1)[step]
-        text = command(planned(p, f)[2][step])
+        world.forget(p, f, step)
         world.record(p, f, step, "line", text, rc, seconds, rc == 0, f"run first: {page}'s block reads what it writes")
+        if rc != 0:
+            world.failed_needs.add((p, f, step))  # the next block that reads it fails at once
         assert rc == 0, f"{text} ({p}), which {page}'s block reads: exit {rc}"
 
 
