@@ -39,7 +39,7 @@ default run checks it).
   the clone then moves to HEAD, keeping what documented commands wrote there (the README's test command
   runs this checkout's tests). The
   environment is not compared: rows a run made in another one stay until World(FOLDER).forget(page,
-  first) drops them (that block and every later one then run again). A block a killed run left running
+  first) drops them (that block and every later one then run again, in a run that selects them). A block a killed run left running
   in the world (the clone or the suite's) is stopped first; two runs on one FOLDER are refused. FOLDER
   must lie outside pytest's --basetemp, which pytest empties at start (tests/conftest.py refuses it).
 - pytest's selection (node ids in PLAN's order, -k, --lf) runs some blocks only: each after the lines it reads
@@ -484,26 +484,28 @@ def test_a_selected_block_runs_after_the_lines_it_reads_and_nothing_else(tmp_pat
     monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "sh -c 'exit 3'")]})
     world.forget(*heal)
     world.forget(*reads)
-    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md's block reads: exit 3"):
+    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md:1's block reads: exit 3"):
         test_documented_block_runs_as_written(world, *reads, "cpu", 60)
     assert not [r for r in World(root).rows if r["page"] == "c.md"]
     before = len(World(root).rows)  # a second block that reads it, in the same run: refused at once, not run again
-    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md's block reads, did not pass in this run"):
+    with pytest.raises(AssertionError, match=r"sh -c 'exit 3' \(h.md\), which c.md:1's block reads, failed in this run"):
         test_documented_block_runs_as_written(world, *reads, "cpu", 60)
     assert len(World(root).rows) == before
 
     # a selected block that runs again makes every later block run again, selected or not; a selected needed
-    # block runs in its own test (before, in PLAN's order), not as a need
+    # block runs in its own test (before, in PLAN's order), not as a need: as in a run of the whole PLAN
     blocks[heal][1] = "echo h1 > h1"
     monkeypatch.setattr(module, "NEEDS", {reads: [(*heal, "echo h1 > h1")]})
+    world.record(*reads, 0, "line", "cat h1 setup", 0, 1.0, True)
     again = World(root)
     again.todo = again.plan(cuda=False, selected={heal})
     assert again.todo == {heal: 0} and not [r for r in again.rows if r["page"] == "c.md"]
     assert "s.md" in [r["page"] for r in again.rows]  # before it: kept
     third = World(root)
     third.todo = third.plan(cuda=False, selected={heal, reads})
-    with pytest.raises(AssertionError, match=r"echo h1 > h1 \(h.md\), which c.md's block reads, did not pass"):
-        test_documented_block_runs_as_written(third, *reads, "cpu", 60)  # its own test did not run (or failed)
+    with pytest.raises(AssertionError, match=r"cat h1 setup: exit 1"):
+        test_documented_block_runs_as_written(third, *reads, "cpu", 60)  # its own test did not run: h1 is not there
+    assert not [r for r in World(root).rows if r["page"] == "h.md"]
 
 
 def test_every_need_names_an_earlier_planned_line_that_runs_alone():
@@ -515,6 +517,7 @@ def test_every_need_names_an_earlier_planned_line_that_runs_alone():
         assert len(needs(*block, kind)) == 1 + len(found)
         for page, first, step in needs(*block, kind):
             assert blocks.index((page, first)) < blocks.index(block), (block, page, first)
+            assert PLAN[blocks.index((page, first))][2] != "gpu", (block, page, first)  # it would not run here
             line = planned(page, first)[2][step]
             assert not SERVER.match(command(line)) and not OFFLINE.search(line) and not command(line).endswith(" &")
     assert needs(*PLAN[0][:2], "setup") == [] and needs(*PLAN[-1][:2], "suite") == []
@@ -523,6 +526,8 @@ def test_every_need_names_an_earlier_planned_line_that_runs_alone():
 def test_a_run_of_some_blocks_is_refused_out_of_plans_order_and_keeps_the_rows_of_those_left_out(tmp_path):
     """The fixture: pytest's selection reaches the plan (a kept world's rows of a block left out stay), and node ids
     in another order than PLAN's are refused before anything runs."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("this checkout is not a git work tree")
     root = tmp_path / "world"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(root / "clone")], check=True, timeout=600)
     kept = {"page": "docs/diagnostics.md", "line": 1, "block": PLAN[1][1], "step": 0, "kind": "line", "command": "x",
@@ -1128,24 +1133,25 @@ def test_documented_block_runs_as_written(world, page, first, kind, timeout):
 
 
 def run_needed(world: World, page: str, first: str, kind: str) -> None:
-    """Each line whose output the block reads (needs) that has not passed in this world, where its block is not
-    selected (a selected one runs before, in its own test), run once as written and recorded as its block's row;
-    that block's later rows are forgotten (they were made after the line failed, or never)."""
+    """Each line whose output the block reads (needs) that has not passed in this world, where its block is left out
+    of the run (a selected one runs in its own test, before, as in a run of the whole PLAN, where this does
+    nothing), run once as written and recorded as its block's row; that block's later rows are forgotten (they
+    were made after the line failed, or never)."""
+    reader = f"{page}:{planned(page, first)[1]}"
     for p, f, step in needs(page, first, kind):
         last = world._last(p, f, step, "line")
-        if last and last["ok"] is True:
+        if (p, f) in world.selected or last and last["ok"] is True:
             continue
         text = command(planned(p, f)[2][step])
-        assert (p, f) not in world.selected and (p, f, step) not in world.failed_needs, (
-            f"{text} ({p}), which {page}'s block reads, did not pass in this run")
+        assert (p, f, step) not in world.failed_needs, f"{text} ({p}), which {reader}'s block reads, failed in this run"
         need_kind, need_timeout = next((k, t) for pp, ff, k, t in PLAN if (pp, ff) == (p, f))
         rc, seconds, _ = world.run_block(p, f, need_timeout, activate=need_kind not in ("setup", "suite"), start=step,
                                          stop=step + 1)[step]
         world.forget(p, f, step)
-        world.record(p, f, step, "line", text, rc, seconds, rc == 0, f"run first: {page}'s block reads what it writes")
+        world.record(p, f, step, "line", text, rc, seconds, rc == 0, f"run first: {reader}'s block reads what it writes")
         if rc != 0:
             world.failed_needs.add((p, f, step))  # the next block that reads it fails at once
-        assert rc == 0, f"{text} ({p}), which {page}'s block reads: exit {rc}"
+        assert rc == 0, f"{text} ({p}), which {reader}'s block reads: exit {rc}"
 
 
 def fresh_suite_clone(world: World) -> Path:
