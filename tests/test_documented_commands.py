@@ -376,12 +376,7 @@ def test_a_kept_world_judges_each_line_by_its_last_rows_and_refuses_what_changed
                                                         ("README.md", "hf-tangent eval", "cpu", 60)])
     monkeypatch.setattr(sys.modules[__name__], "planned", _planned_original)
     origin, later = tmp_path / "origin", tmp_path / "later"
-    (origin / "hf_tangent").mkdir(parents=True)
-    (origin / "hf_tangent" / "x.py").write_text("A = 1\n")
-    (origin / "README.md").write_text("```bash\nhf-tangent eval\n```\n")
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
-        subprocess.run(["git", *argv], cwd=origin, check=True, env=git)
-    subprocess.run(["git", "clone", "--quiet", str(origin), str(later)], check=True, env=git)
+    _repo_and_clone(origin, later, {"hf_tangent/x.py": "A = 1\n", "README.md": "```bash\nhf-tangent eval\n```\n"})
     assert resumable(later, origin) == []
     (origin / "hf_tangent" / "x.py").write_text("A = 2\n")  # uncommitted: a world runs the committed code
     assert resumable(later, origin) == []
