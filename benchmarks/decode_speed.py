@@ -9,8 +9,9 @@ Per batch size (`--batches` prompts of 64 tokens from the held-out Austen text, 
 new tokens each): every round runs the unpatched model and each variant once, in a rotated order
 (`analysis.timing.interleaved_ratios`); the ratio is unpatched time / variant time (tokens/s of the
 variant over the unpatched model's), median over `--repeats` rounds, with its quartiles. Variants: the
-`projected` and `retract` rules on every layer and the parallel conversion of 8 layers, each as it runs by
-default (`implementation="fused"`: tensor ops). `--calls`: microseconds per call of the rule alone on
+`projected` and `retract` rules on every layer and the parallel conversion of 8 layers (hooks, and fused:
+one shared norm and one GEMM for the five input projections), each rule as it runs by default
+(`implementation="fused"`: tensor ops). `--calls`: microseconds per call of the rule alone on
 decode-sized rows (what each patched layer adds to a decode step).
 
 `--clock cpu` times each call by the process's CPU time (`time.process_time`) instead of the wall clock:
@@ -37,7 +38,8 @@ from hf_tangent.core.fused import fused_residual_delta
 
 PARALLEL_8 = [6, 7, 8, 9, 20, 21, 22, 23]  # the healing study's set (benchmarks/vllm_speed.py)
 VARIANTS = {"projected": dict(update="projected"), "retract": dict(update="retract"),
-            "parallel 8": dict(parallel_layers=PARALLEL_8)}
+            "parallel 8": dict(parallel_layers=PARALLEL_8),
+            "parallel 8 fused": dict(parallel_layers=PARALLEL_8, parallel_execution="fused")}
 
 
 def rule_calls(repeats: int, clock=time.perf_counter) -> dict:

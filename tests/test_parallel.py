@@ -90,7 +90,7 @@ def test_fused_parallel_path_equals_hook_conversion(arch, ids):
     hooks = ht.patch(tiny(arch), ht.TangentConfig(parallel_layers=[0, 2], update="soft", beta=0.5))
     fused = ht.patch(tiny(arch), ht.TangentConfig(parallel_layers=[0, 2], update="soft", beta=0.5,
                                                  parallel_execution="fused"))
-    assert "forward" in vars(fused.model.layers[0].self_attn.q_proj)  # the fused path is really on
+    assert type(fused.model.layers[0].self_attn.q_proj).__name__ == "FusedProjection"  # the fused path is really on
     with torch.no_grad():
         a, b = hooks(ids).logits, fused(ids).logits
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
@@ -108,11 +108,15 @@ def test_fused_parallel_path_equals_hook_conversion(arch, ids):
         cached = fused.generate(ids, use_cache=True, **kwargs)
         assert torch.equal(cached, fused.generate(ids, use_cache=False, **kwargs))
         assert torch.equal(cached, hooks.generate(ids, **kwargs))
+    assert all(child.fused_execution.linked() for child in ht.tangent_layers(fused) if child.parallel)
     ht.unpatch(fused)
-    layer = fused.model.layers[0]
-    for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-                   layer.mlp.up_proj, layer.input_layernorm, layer.post_attention_layernorm):
-        assert "forward" not in vars(module)
+    layer, plain = fused.model.layers[0], tiny(arch).model.layers[0]
+    for name, module in layer.named_modules():
+        assert type(module) is type(plain.get_submodule(name)), name
+    for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "mlp.up_proj"):
+        assert not {"forward", "_fused_parallel", "_fused_group"} & set(vars(layer.get_submodule(name))), name
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, tiny(arch)(ids).logits)
 
 
 @pytest.mark.core
@@ -149,6 +153,7 @@ def test_fused_parallel_save_reload_in_fresh_process(tmp_path, ids):
         assert ht.get_config(m).parallel_layers == (0, 1) and ht.get_config(m).parallel_execution == "fused"
         with torch.no_grad():
             torch.save(m(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})
+        assert [c.fused_execution.linked() for c in ht.tangent_layers(m) if c.parallel] == [True, True]
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -201,21 +206,38 @@ def test_random_schedule_is_deterministic_per_seed():
 
 
 def test_submodule_times_on_a_fake_clock(ids):
-    """A clock that advances 1 s per reading: each module's time is its own pre-hook -> hook span
-    (1 s: nothing timed inside it), the forward's span covers every module reading of a call."""
+    """A clock that advances 1 s per reading: each module's time is its own pre-hook -> hook span, so a module
+    that contains timed modules spans their readings too (attention: q, k, v; FFN: gate, up); the forward is
+    timed without hooks (2 readings per call)."""
     ticks = iter(range(10_000))
     times = parallel.submodule_times(tiny(), ids, repeats=2, clock=lambda: float(next(ticks)))
-    assert [(r["layer"], r["t_attention"], r["t_ffn"]) for r in times["layers"]] == [(i, 1.0, 1.0) for i in range(3)]
-    assert times["t_forward"] == 4 * 3 + 1 and times["calls"] == 2 * len(ids)  # repeats x windows
-    assert all(r["estimated_saving"] == 0.5 for r in times["layers"])
+    assert [(r["layer"], r["t_attention"], r["t_ffn"], r["t_ffn_norm"], r["t_projections"]) for r in times["layers"]] == \
+        [(i, 7.0, 5.0, 1.0, [1.0] * 5) for i in range(3)]
+    assert times["t_forward"] == 1.0 and times["calls"] == 2 * len(ids)  # repeats x windows
+    assert times["t_gemm_call"] == pytest.approx(1.0) and times["fused_groups"] == 2  # equal times: all intercept
 
 
-def test_speed_estimate_formula(ids):
-    times = parallel.submodule_times(tiny(), ids, repeats=2)
-    for r in times["layers"]:
-        assert r["estimated_saving"] == pytest.approx(min(r["t_attention"], r["t_ffn"]) / (r["t_attention"] + r["t_ffn"]))
-    saved = sum(min(r["t_attention"], r["t_ffn"]) for r in times["layers"][:2])
-    assert parallel.estimated_speedup(times, [0, 1]) == pytest.approx(times["t_forward"] / (times["t_forward"] - saved))
+def test_speed_estimate_models_the_fused_build():
+    """Saved per converted layer: the FFN norm and (5 projections - 2 GEMMs) per-call GEMM costs."""
+    rows = [{"layer": i, "t_ffn_norm": 0.01 * (i + 1), "t_projections": [0.1] * 5} for i in range(3)]
+    times = {"layers": rows, "t_forward": 2.0, "fused_groups": 2, "t_gemm_call": 0.05}
+    assert parallel.estimated_speedup(times, [0, 2]) == pytest.approx(2.0 / (2.0 - (0.01 + 0.15) - (0.03 + 0.15)))
+    assert parallel.estimated_speedup(times, []) == 1.0
+    assert parallel.estimated_speedup(times | {"fused_groups": 0}, [0, 2]) == 1.0  # no fused path: the same work
+    gpt2 = parallel.submodule_times(tiny("gpt2"), torch.zeros(1, 4, dtype=torch.long), repeats=1)
+    assert gpt2["fused_groups"] == 0 and parallel.estimated_speedup(gpt2, [0]) == 1.0
+
+
+def test_gemm_call_cost_is_the_intercept_of_the_projection_times(ids):
+    """A clock that charges each projection 3 us + 1 ns per weight element and everything else nothing: the
+    fitted per-call cost is 3 us."""
+    model, now = tiny(), [0.0]
+    for layer in model.model.layers:
+        for path in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            module = layer.get_submodule(path)
+            module.register_forward_hook(lambda m, a, o: now.__setitem__(0, now[0] + 3e-6 + 1e-9 * m.weight.numel()))
+    times = parallel.submodule_times(model, ids, repeats=1, clock=lambda: now[0])
+    assert times["t_gemm_call"] == pytest.approx(3e-6, rel=1e-6)
 
 
 def test_sensitivity_and_sweep_cli(tiny_lm_folder, austen_dir, tmp_path, capsys):

@@ -113,19 +113,27 @@ def test_two_threads_share_one_patched_model(ids):
     for t in threads:
         t.join()
     assert wrong == []
-    assert all(not child._calls for child in ht.tangent_layers(model))  # nothing outlives a call
+    assert all(not any(child._pending.values()) for child in ht.tangent_layers(model))  # nothing outlives a call
 
 
 def test_ffn_called_on_its_own_after_a_forward_is_unpatched(ids):
+    """The patch lives on the (pre-FFN norm, FFN) pair: the FFN called alone is the plain FFN; the pair called
+    alone, in the layer's order, applies the rule to the norm's input, as the layer would."""
+    from hf_tangent.core.rules import residual_delta
+
     model = ht.patch(make_tiny("llama"), PROJECTED)
     layer = model.model.layers[1]
     h = torch.randn(1, 4, 64)
     with torch.no_grad():
         model(ids)
-        normed = layer.post_attention_layernorm(h)  # a standalone norm call must record nothing
-        standalone = layer.mlp(normed)
+        normed = layer.post_attention_layernorm.forward(h)  # the norm's computation, without its hook
+        alone = layer.mlp(normed)
+        pair = layer.mlp(layer.post_attention_layernorm(h))
         ht.unpatch(model)
-        assert torch.equal(standalone, layer.mlp(layer.post_attention_layernorm(h)))
+        plain = layer.mlp(layer.post_attention_layernorm(h))
+    assert torch.equal(alone, plain)
+    torch.testing.assert_close(pair, residual_delta(h, plain, "projected"), rtol=0, atol=1e-6)
+    assert not torch.equal(pair, plain)
 
 
 # ----------------------------------------------------------------------------- atomic re-patch
@@ -165,7 +173,7 @@ def test_install_failure_rolls_back(monkeypatch, ids):
     assert torch.equal(logits(model, ids), before)
     assert ht.get_config(model).update == "projected" and ht.tangent_layers(model)[0].gate.item() == 0.75
     hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert hooked == 3 * 4  # per layer: enter, exit, ffn_norm, ffn_out
+    assert hooked == 3 * 2  # per layer: ffn_norm, ffn_out
 
 
 def test_shared_layer_object_is_refused_and_unpatch_never_fails(ids):
@@ -212,11 +220,25 @@ def test_layer_that_bypasses_the_hooked_norm_fails_loudly(ids):
             return hidden_states + self.mlp(F.rms_norm(hidden_states, norm.weight.shape, norm.weight,
                                                        norm.variance_epsilon))
 
+    before = logits(model, ids)
     for layer in model.model.layers:
         layer.__class__ = FunctionalNormLayer
+    bypassing = logits(model, ids)
+    with pytest.raises(ValueError, match=r"did not verify: in layer 0, its ffn_norm module 'post_attention_layernorm' "
+                                         r"was not called exactly once"):
+        ht.patch(model, PROJECTED)  # refused when the patch is made (a verified class of the same config is no pass)
+    assert ht.get_config(model) is None and torch.equal(logits(model, ids), bypassing)
+    for layer in model.model.layers:  # the layer's forward replaced after the patch: the call fails loudly
+        layer.__class__ = layer_class
     ht.patch(model, PROJECTED)
+    for layer in model.model.layers:
+        layer.__class__ = FunctionalNormLayer
     with pytest.raises(RuntimeError, match=r"layer 0 .* without calling its ffn_norm submodule"):
         model(ids)
+    for layer in model.model.layers:
+        layer.__class__ = layer_class
+    ht.unpatch(model)
+    assert torch.equal(logits(model, ids), before)
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -6,7 +6,7 @@
 x + A(x) + Phi(Norm(x)) is accurate for that layer. Conversion itself is `TangentConfig(parallel_layers=...)`;
 `parallelize` picks the layers by a schedule, `sweep_losses` measures the held-out loss for
 k = 0..L converted layers, `greedy_order` is the loss-aware selection, `recommend` the largest set
-within a loss budget, and `submodule_times` / `estimated_speedup` the paper's speed estimate.
+within a loss budget, and `submodule_times` / `estimated_speedup` what fused execution saves.
 """
 
 from __future__ import annotations
@@ -239,11 +239,14 @@ def recommend(model, calibration: torch.Tensor, heldout: torch.Tensor, *, budget
 @torch.no_grad()
 def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_size: int = 1,
                     clock=time.perf_counter) -> dict:
-    """Median wall time per layer of the attention (T_A) and FFN (T_Phi) submodules, and of the
-    whole forward, measured with hooks on this device (CUDA is synchronised around each module)."""
+    """Median time per call, per layer, of the attention (T_A), the FFN (T_Phi), and what fused parallel
+    execution changes: the pre-FFN norm and each input projection (hooks on this device; CUDA synchronised
+    around each module). The forward's median time is measured apart, without the hooks."""
     spec, decoder = architecture(model)
     cuda = next(model.parameters()).is_cuda
-    samples = {(i, role): [] for i in range(len(decoder)) for role in ("attention", "mlp")}
+    projections = list(spec.fused_attention_in + spec.fused_ffn_in)
+    roles = ["attention", "mlp", "ffn_norm", *projections]
+    samples = {(i, role): [] for i in range(len(decoder)) for role in roles}
     starts, handles = {}, []
 
     def now():
@@ -252,36 +255,50 @@ def submodule_times(model, windows: torch.Tensor, *, repeats: int = 3, batch_siz
         return clock()
 
     for i, layer in enumerate(decoder):
-        for role in ("attention", "mlp"):
-            module = spec.submodule(layer, role)
+        for role in roles:
+            module = layer.get_submodule(role) if role in projections else spec.submodule(layer, role)
             handles.append(module.register_forward_pre_hook(lambda m, a, key=(i, role): starts.__setitem__(key, now())))
             handles.append(module.register_forward_hook(
                 lambda m, a, o, key=(i, role): samples[key].append(now() - starts[key])))
     device = next(model.parameters()).device
-    totals = []
+    batches = [windows[start : start + batch_size].to(device) for start in range(0, len(windows), batch_size)]
     try:
-        model(input_ids=windows[:batch_size].to(device), use_cache=False)  # warm-up
+        model(input_ids=batches[0], use_cache=False)  # warm-up
         for v in samples.values():
             v.clear()
         for _ in range(repeats):
-            for start in range(0, len(windows), batch_size):
-                t0 = now()
-                model(input_ids=windows[start : start + batch_size].to(device), use_cache=False)
-                totals.append(now() - t0)
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
-    per_call = len(totals)
+    totals = []
+    for _ in range(repeats):
+        for ids in batches:
+            t0 = now()
+            model(input_ids=ids, use_cache=False)
+            totals.append(now() - t0)
     layers = [{"layer": i, "t_attention": statistics.median(samples[(i, "attention")]),
-               "t_ffn": statistics.median(samples[(i, "mlp")])} for i in range(len(decoder))]
-    for r in layers:
-        total = r["t_attention"] + r["t_ffn"]
-        r["estimated_saving"] = (total - max(r["t_attention"], r["t_ffn"])) / total
-    return {"layers": layers, "t_forward": statistics.median(totals), "calls": per_call}
+               "t_ffn": statistics.median(samples[(i, "mlp")]), "t_ffn_norm": statistics.median(samples[(i, "ffn_norm")]),
+               "t_projections": [statistics.median(samples[(i, p)]) for p in projections]} for i in range(len(decoder))]
+    # the per-call cost of a GEMM: intercept of the projections' times against their weight sizes (least squares)
+    sizes = [layer.get_submodule(p).weight.numel() for layer in decoder for p in projections]
+    spent = [t for r in layers for t in r["t_projections"]]
+    gemm_call = statistics.linear_regression(sizes, spent).intercept if len(set(sizes)) > 1 else 0.0
+    return {"layers": layers, "t_forward": statistics.median(totals), "calls": len(totals),
+            "fused_groups": 2 if projections else 0, "t_gemm_call": max(gemm_call, 0.0)}
 
 
 def estimated_speedup(times: dict, layers) -> float:
-    """The paper's estimate: the forward time if each converted layer ran A and Phi concurrently
-    (saving min(T_A, T_Phi) per layer), as a speedup over the measured forward time."""
-    saved = sum(min(r["t_attention"], r["t_ffn"]) for r in times["layers"] if r["layer"] in set(layers))
+    """What fused parallel execution saves on `layers`, from the unconverted model's module times: the pre-FFN
+    norm no longer normalises (T_norm), and the input projections run as one GEMM per branch, so the per-call
+    cost c of a GEMM is paid twice instead of once per projection. Nothing runs concurrently:
+
+        speedup = T_forward / (T_forward - sum over converted layers of (T_norm + (projections - 2) c))
+
+    1.0 without a fused path (the hook conversion runs the same work as the unconverted model)."""
+    if not times["fused_groups"]:
+        return 1.0
+    saved = sum(r["t_ffn_norm"] + (len(r["t_projections"]) - times["fused_groups"]) * times["t_gemm_call"]
+                for r in times["layers"] if r["layer"] in set(layers))
     return times["t_forward"] / (times["t_forward"] - saved)

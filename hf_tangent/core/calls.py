@@ -1,5 +1,5 @@
-"""Per-call keys: what a layer's hooks hand each other is stored under the calling thread's key,
-so two threads running one model never see each other's tensors."""
+"""Per-thread keys: what one hook hands the next is stored under the calling thread's key, so two
+threads running one model never see each other's tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import threading
 
 import torch
 
+_ident = threading.get_ident
 
+
+@torch.compiler.assume_constant_result  # a compiled graph traces the hand-over away: one constant key serves it
 def call_key() -> int:
-    """Who is calling: the thread (a compiled graph traces the hooks away, so one key serves it)."""
-    return 0 if torch.compiler.is_compiling() else threading.get_ident()
+    return _ident()

@@ -262,7 +262,8 @@ def _has_dropout(model) -> bool:
 def _cache_key(model, spec):
     config = {k: v for k, v in model.config.to_dict().items() if k != CONFIG_KEY}
     dtype = next((p.dtype for p in model.parameters()), None)
-    return type(model), spec, json.dumps(config, sort_keys=True, default=str), dtype
+    layer_classes = tuple(dict.fromkeys(type(layer) for layer in spec.decoder_layers(model)))  # a swapped layer class
+    return type(model), spec, json.dumps(config, sort_keys=True, default=str), dtype, layer_classes
 
 
 def require_verified(model, spec: ArchitectureSpec, layers: nn.ModuleList, *, needs_attention: list[int]) -> Verification:

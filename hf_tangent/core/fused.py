@@ -6,8 +6,8 @@ model's dtype, plus the gate: no float32 copies, no intermediates. The backward 
 few per-token scalars it needs. Notation as in rules.py: per token, z = gate * y,
 p = <x, z>, q = ||x||^2 + eps, c = p / q, r = ||x||; G is the incoming gradient.
 
-Batch-invariant on a CPU, forward and backward, as rules.py: contiguous float32 rows (`as_rows`) and
-rules.dot, so each row's bits do not depend on the rows beside it.
+Batch-invariant on a CPU, forward and backward, as rules.py: contiguous float32 rows (`as_rows`), sums as
+rules.dot's, so each row's bits do not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .rules import as_rows, finite_in, resolve_eps, retraction_angle
+from .rules import _SPLIT, FLOAT32_TINY, as_rows, resolve_eps, retraction_angle
 from .rules import dot as _dot
 
 
@@ -33,43 +33,74 @@ def _safe(value, ok):
 
 
 def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
-    """(x_next - x in y's dtype, the eps actually used): the fused forward's arithmetic."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    xf, yf = as_rows(x, dtype), as_rows(y, dtype)
-    z = yf * gate.to(dtype) if gate is not None else yf
-    eps_value = resolve_eps(xf, eps, eps_mode)
+    """x_next - x in y's dtype, computed in float32 (float64 for float64 y): the fused forward.
+
+    Per token, every rule is a x + b z (z = gate y) with scalars (..., 1) from <x, x>, <x, z> and, where the rule
+    needs them, the norms of z and of y_tan = z - c x (a norm of y_tan, not dot products: those cancel where z is
+    nearly parallel to x); then one addcmul. Inline, without helper calls: it runs in every patched layer at every
+    step (tests/test_rule_ops.py pins its aten ops and Python calls).
+    """
+    if x.shape[-1] >= _SPLIT and x.numel() == x.shape[-1]:  # one long row: reduced as one of two (rules.dot)
+        return _forward(x.expand(2, *x.shape), y.expand(2, *y.shape), gate, update, alpha, beta, p, eps, eps_mode)[0]
+    if update == "zero":
+        return torch.zeros_like(y, memory_format=torch.contiguous_format)
+    dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
+    z = y.to(dtype).contiguous()  # contiguous rows: each one summed in one order (rules.as_rows)
+    if gate is not None:
+        z = z * gate.to(dtype)
     if update == "add":
-        delta = alpha * z if alpha != 1.0 else z
-    elif update == "zero":
-        delta = torch.zeros_like(z)
-    else:  # addcmul: one pass for "z - b c x"; per-token scalars stay (..., 1)
-        c = _dot(xf, z) / (_dot(xf, xf) + eps_value)
-        if update in ("projected", "soft"):
-            b = beta if update == "soft" else 1.0
-            delta = torch.addcmul(alpha * z if alpha != 1.0 else z, c, xf, value=-alpha * b)
-        elif update == "radial":
-            delta = (alpha * c) * xf
-        elif update == "norm_preserving":
-            t = torch.addcmul(z, c, xf, value=-1.0)
-            delta = t * (alpha * z.norm(dim=-1, keepdim=True) / (t.norm(dim=-1, keepdim=True) + eps_value))
-        elif update == "retract":
-            tangent = torch.addcmul(z, c, xf, value=-1.0)  # v / alpha
-            r = xf.norm(dim=-1, keepdim=True)
-            t = abs(alpha) * tangent.norm(dim=-1, keepdim=True) / _safe(r, r > 0)
-            theta = retraction_angle(t, p)
-            moving = t > 0
-            b = torch.where(moving, torch.sin(theta) / _safe(t, moving), torch.ones_like(t))
-            delta = torch.addcmul(-2.0 * torch.sin(theta / 2) ** 2 * xf, alpha * b, tangent)
-            delta = finite_in(torch.where(r > 0, delta, torch.zeros_like(delta)), y.dtype)  # x = 0 stays 0
-        else:
-            raise ValueError(f"unknown update rule {update!r}")
-    return delta.to(y.dtype), eps_value
+        return (z * alpha if alpha != 1.0 else z).to(y.dtype)
+    x = x.to(dtype).contiguous()
+    xx = (x * x).sum(-1, keepdim=True)  # ||x||^2, (..., 1)
+    if eps_mode == "relative":  # eps ||x||^2 per token, floored: c = 0 (not 0/0) where x = 0 (rules.resolve_eps)
+        eps = (xx * eps).clamp_min(FLOAT32_TINY)
+    c = (x * z).sum(-1, keepdim=True) / (xx + eps)  # <x, z> / (||x||^2 + eps)
+    if update in ("projected", "soft"):
+        return torch.addcmul(z * alpha if alpha != 1.0 else z, c, x,
+                             value=-alpha * (beta if update == "soft" else 1.0)).to(y.dtype)
+    if update == "radial":
+        return (x * (c * alpha if alpha != 1.0 else c)).to(y.dtype)
+    y_tan = torch.addcmul(z, c, x, value=-1.0)  # z - c x (math.md section 1)
+    if update == "norm_preserving":
+        nz = torch.linalg.vector_norm(z, dim=-1, keepdim=True)
+        nt = torch.linalg.vector_norm(y_tan, dim=-1, keepdim=True)
+        return (y_tan * ((nz * alpha if alpha != 1.0 else nz) / (nt + eps))).to(y.dtype)
+    if update != "retract":
+        raise ValueError(f"unknown update rule {update!r}")
+    # rules.retract with v = alpha y_tan, t = ||v|| / ||x||, theta = p atan(t / p): x_next - x is
+    # (cos(theta) - 1) x + (sin(theta) / t) v = b y_tan - k a x, with b = alpha sin(theta) / t and k a = 1 - cos(theta)
+    # in a form that does not cancel for small theta; p = 1 and 2 (projection, Cayley) need no trigonometry.
+    # Where x = 0 these are inf or NaN: masked below. (Where ||v||^2 overflows float32, p = 1 and 2 give NaN; the
+    # reference's norm overflows there too, to t = inf.)
+    nv = torch.linalg.vector_norm(y_tan, dim=-1, keepdim=True)
+    if alpha != 1.0:
+        nv = nv * abs(alpha)  # ||v||
+    if p == 1.0:  # theta = atan(t): sin / t = cos = 1 / s, s = sqrt(1 + t^2); 1 - cos = t^2 / (s^2 + s)
+        t2 = nv * nv / xx
+        u = t2 + 1.0
+        s = u.sqrt()
+        b, a, k = s.reciprocal(), t2 / (u + s), 1.0
+    elif p == 2.0:  # theta = 2 atan(t / 2): sin / t = 1 / (1 + t^2 / 4); 1 - cos = (t^2 / 2) sin / t
+        t2 = nv * nv / xx
+        b = (t2 * 0.25 + 1.0).reciprocal()
+        a, k = t2 * b, 0.5
+    else:  # 1 - cos = 2 sin^2(theta / 2); t = 0 (no step) floored, so that sin(theta) / t -> 1
+        t = (nv / xx.sqrt()).clamp_min(FLOAT32_TINY)
+        theta = t if math.isinf(p) else torch.atan(t / p) * p
+        b, a, k = theta.sin() / t, (theta * 0.5).sin(), 2.0
+        a = a * a
+    delta = torch.addcmul(y_tan * (b * alpha if alpha != 1.0 else b), a, x, value=-k)
+    moving = xx > 0
+    delta = torch.where(moving, delta, moving)  # x = 0 (or NaN) stays 0: the sphere of radius 0
+    if y.dtype.is_floating_point and y.dtype.itemsize < 4:  # |x_next - x| can reach 2 ||x||: past y.dtype's range
+        delta = delta.clamp(-torch.finfo(y.dtype).max, torch.finfo(y.dtype).max)  # (rules.finite_in)
+    return delta.to(y.dtype)
 
 
 class _TangentUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, update, alpha, beta, p, eps, eps_mode):
-        delta, _ = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
+        delta = _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
         ctx.save_for_backward(x, y, gate)
         ctx.params = (update, alpha, beta, p, eps, eps_mode)  # a relative eps is recomputed from x
         return delta
@@ -144,5 +175,5 @@ def fused_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, 
     same arithmetic, so a checkpointed forward, run without gradient, and its recomputation, run with
     it, agree bit for bit)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
-        return _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)[0]
+        return _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode)
     return _TangentUpdate.apply(x, y, gate, update, float(alpha), float(beta), float(p), float(eps), eps_mode)

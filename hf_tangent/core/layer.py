@@ -1,11 +1,16 @@
 """`TangentLayer`: the patch of one decoder layer, its update rule, gate and hook callbacks.
 
-A layer's forward is never replaced: the hooks sit on the layer and its own submodules (see
-patching.py for the list). What one hook hands the next lives in that call's state, keyed by
-thread, and never outlives the call; on every call the layer checks that each of its hooks fired.
+A layer's forward is never replaced: the hooks sit on the layer's own submodules (see patching.py
+for the list). What a pre-hook hands the hook after it is stored under the calling thread's key and
+popped by that hook, so it never outlives the layer call. Everything else (the rule and its
+arguments, the architecture, which hooks exist) is decided at patch time: the steady-state cost per
+layer call is two hooks and the rule.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 from torch import nn
@@ -29,8 +34,14 @@ def _load_triton():
     return _KERNELS["triton"]
 
 
+def _triton_rule(*args, **kwargs):
+    return _KERNELS["triton"](*args, **kwargs)  # loaded by TangentLayer.prepare
+
+
 class TangentLayer(nn.Module):
     """The patch of one decoder layer: its update rule, optional FFN gate, and hook callbacks."""
+
+    _NO_SITE = (nn.Module(), "", None)  # a layer without an ffn_out hook (a parallel conversion alone)
 
     def __init__(self, config: TangentConfig, index: int, *, update: bool, parallel: bool):
         if not isinstance(config, TangentConfig):
@@ -58,31 +69,48 @@ class TangentLayer(nn.Module):
         self.spec: ArchitectureSpec | None = None  # set by prepare
         self.scale = 1.0  # s in out = r + s * ffn_out(...) (residual multipliers)
         self.exact_in_training = True  # False: dropout acts after ffn_out, so only eval mode is exact
-        self.blend = 1.0  # homotopy lambda (patching.set_homotopy): 0 = the unpatched layer, 1 = the patch
-        self._calls: dict[int, dict] = {}  # call_key() -> what this call's hooks hand each other
-        self._sites: dict[str, tuple] = {}  # role -> (parent, attribute, hooked module): install
-        # the submodule roles whose hooks must fire in every call of the layer
+        self._blend = 1.0  # homotopy lambda (patching.set_homotopy): 0 = the unpatched layer, 1 = the patch
+        # What a pre-hook hands the hook after it, per thread (call_key), popped by the consumer: nothing
+        # outlives a layer call. "x": the FFN's residual input; "h": the block input (parallel conversion);
+        # "attention_x": the attention branch's residual input.
+        self._pending: dict[str, dict[int, torch.Tensor]] = {"x": {}, "h": {}, "attention_x": {}}
+        self._sites: dict[str, tuple] = {}  # role -> (parent, attribute, hooked module)
         self.roles = tuple(role for role, needed in (
             ("input_norm", parallel or self.attention_branch),
             ("attention_out", self.attention_branch),
             ("ffn_norm", parallel or self.applies_update),
             ("ffn_out", self.applies_update),
         ) if needed)
+        self._rule = None if config.update in NOISE_UPDATES else functools.partial(
+            {"fused": fused_residual_delta, "reference": residual_delta}.get(config.implementation, _triton_rule),
+            update=config.update, alpha=config.alpha, beta=config.beta, p=config.p, eps=config.eps,
+            eps_mode=config.eps_mode)
+        self._direct = False  # the FFN hook may call the rule itself (_refresh)
+
+    @property
+    def blend(self) -> float:
+        return self._blend
+
+    @blend.setter
+    def blend(self, value: float) -> None:
+        self._blend = value
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Decided once per change, not per call: whether the FFN hook hands the rule the output as it is (no
+        noise, homotopy or residual scale in between)."""
+        self._direct = self._rule is not None and self.scale == 1.0 and self._blend == 1.0
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x_next - x in y's dtype (float32 arithmetic inside)."""
-        c = self.config
-        if c.update in NOISE_UPDATES:
+        if self._rule is None:
+            c = self.config
             delta = noise_delta(x, y, c.update, alpha=c.alpha, gamma=c.gamma, h=c.noise_h, rank=c.noise_rank,
                                 training=self.training, gate=self.gate)
         else:
-            if c.implementation == "triton":
-                rule = _KERNELS.get("triton") or _load_triton()  # loaded at patch time: a lookup that compiles
-            else:
-                rule = fused_residual_delta if c.implementation == "fused" else residual_delta
-            delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=self.gate)
-        if self.blend != 1.0:  # the homotopy (1 - lambda) y + lambda (x_next - x), in float32; lambda = 0 gives y exactly
-            delta = torch.lerp(y.float(), delta.float(), self.blend).to(y.dtype)
+            delta = self._rule(x, y, gate=self.gate)
+        if self._blend != 1.0:  # the homotopy (1 - lambda) y + lambda (x_next - x), in float32; lambda = 0 gives y exactly
+            delta = torch.lerp(y.float(), delta.float(), self._blend).to(y.dtype)
         return delta
 
     def extra_repr(self) -> str:
@@ -91,104 +119,110 @@ class TangentLayer(nn.Module):
         extra = {"soft": f", beta={c.beta}", "retract": f", p={c.p}"}.get(rule, "")
         return f"layer={self.index}, update={rule}{extra}, alpha={c.alpha}, gate={self.gate is not None}, parallel={self.parallel}"
 
-    # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them)
-    def _enter(self, module, args, kwargs):
-        if module.training and not self.exact_in_training and self.applies_update:
-            raise RuntimeError(
-                f"hf_tangent: layer {self.index} ({type(module).__name__}) applies dropout after the module whose "
-                f"output it adds ({self.spec.ffn_out_path}), so the patch is exact in eval mode only; set the "
-                "model's dropout probabilities to 0 (e.g. config.dropout=0.0 when building it) to train it patched."
-            )
-        self._follow_wrappers(module)
-        self._calls[call_key()] = {"layer": True}
-
-    def _exit(self, module, args, output):
-        key = call_key()
-        state = self._calls.pop(key, None)
-        fused = self.fused_execution.release(key) if self.fused_execution is not None else True
-        if output is None or state is None:  # the forward raised (always_call): nothing to check
-            return None
-        if not fused:
-            raise RuntimeError(
-                f"hf_tangent: layer {self.index} ({type(module).__name__}) ran with parallel_execution='fused', but not "
-                "every input projection took its slice of the fused GEMM (a projection's forward was replaced after "
-                "the patch, e.g. by an adapter), so its output mixes fused and unfused projections. Patch again "
-                "(hf_tangent.patch) after changing the layer, or use parallel_execution='hooks'."
-            )
-        missing = [role for role in self.roles if role not in state]
-        if missing:
-            raise RuntimeError(
-                f"hf_tangent: layer {self.index} ({type(module).__name__}) ran without calling its "
-                f"{', '.join(missing)} submodule(s), so its patch did not apply: the layer's forward was "
-                "replaced by code that hf_tangent's hooks cannot see (e.g. a norm applied functionally). "
-                "Patch an unmodified model, or remove the patch with hf_tangent.unpatch(model)."
-            )
-        return None
-
-    def _state(self, role: str) -> dict | None:
-        """This call's state when `role`'s hook fires inside the layer's forward, else None.
-
-        The layer's own hooks open the state. transformers 5 checkpoints the layer's `forward`
-        (not `__call__`), so the backward's recomputation runs without them: there the first
-        role opens a state of its own and the last one closes it."""
-        key = call_key()
-        state = self._calls.get(key)
-        if role == self.roles[0] and (state is None or not state["layer"]) and torch._C._current_graph_task_id() != -1:
-            state = self._calls[key] = {"layer": False}  # recomputation during a backward pass
-        if state is None or role in state:  # a submodule called on its own, or a second time
-            return None
-        state[role] = True
-        if role == self.roles[-1] and not state["layer"]:
-            del self._calls[key]
-        return state
-
+    # --- hook callbacks (bound methods, so unpatch can find them and deepcopy rebinds them). The hot path:
+    # a pre-hook stores a tensor under the thread's key, the hook after it pops it; no per-call checks but
+    # one identity test of the module the pre-hook's consumer sits on (a wrapper put there since the patch).
     def _record_block_input(self, module, args, kwargs):
-        state = self._state("input_norm")
-        if state is not None:
-            state["block_input"] = state["attention_x"] = args[0] if args else next(iter(kwargs.values()))
+        h = args[0] if args else next(iter(kwargs.values()))
+        key = call_key()
+        if self.parallel:
+            self._pending["h"][key] = h
+        if self.attention_branch:
+            self._follow("attention_out")
+            self._pending["attention_x"][key] = h
 
     def _apply_attention_update(self, module, args, output):
         """The rule on the attention branch (branches includes 'attention'): x = the block input."""
-        state = self._state("attention_out")
-        x = None if state is None else state.pop("attention_x", None)
+        x = self._pending["attention_x"].pop(call_key(), None)
         if x is None:
+            self._check_called_alone("input_norm")
             return None
+        return self._scaled(x, output)
+
+    def _record_x(self, module, args, kwargs):
+        if self.training and not self.exact_in_training and self.applies_update:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} applies dropout after the module whose output it adds "
+                f"({self.spec.ffn_out_path}), so the patch is exact in eval mode only; set the model's dropout "
+                "probabilities to 0 (e.g. config.dropout=0.0 when building it) to train it patched."
+            )
+        key = call_key()
+        x = args[0] if args else next(iter(kwargs.values()))
+        if self.parallel:
+            h = self._pending["h"].pop(key, None)
+            if h is None:  # the norm called on its own, outside the layer's forward: leave it alone
+                return None
+            if self._blend != 1.0:  # homotopy: the FFN input moves from the residual after attention to the block input
+                h = torch.lerp(x.float(), h.float(), self._blend).to(x.dtype)
+            if self.applies_update:
+                self._pending["x"][key] = h
+            args = ((h,) + tuple(args[1:]), kwargs) if args else ((h,), {})
+        else:
+            self._pending["x"][key] = x
+        parent, name, hooked = self._sites.get("ffn_out", self._NO_SITE)
+        if parent._modules.get(name) is not hooked:
+            self._follow("ffn_out")
+        return args if self.parallel else None
+
+    def _apply_update(self, module, args, output):
+        x = self._pending["x"].pop(call_key(), None)
+        if x is None:
+            self._check_called_alone("input_norm" if self.parallel else "ffn_norm")
+            return None
+        if self._direct and not isinstance(output, tuple):  # the common case: the rule on the output as it is
+            gate = self.gate
+            if not hasattr(gate, "ds_id"):
+                return self._rule(x, output, gate=gate)
         return self._scaled(x, output)
 
     def _scaled(self, x, output):
-        """The layer adds s * output: the rule sees y = s * output and returns (x_next - x) / s."""
+        """The layer adds s * output: the rule sees y = s * output and returns (x_next - x) / s. The child is
+        called (not only its forward) when it holds a gate, so engines that gather parameters in a pre-forward
+        hook (DeepSpeed ZeRO-3) gather it."""
         y = output[0] if isinstance(output, tuple) else output
-        delta = self(x, y) if self.scale == 1.0 else self(x, y * self.scale) / self.scale
+        if self.scale != 1.0:
+            y = y * self.scale
+        # a gate partitioned by DeepSpeed ZeRO-3 (ds_id) is gathered by a pre-forward hook: call the child itself
+        delta = self(x, y) if hasattr(self.gate, "ds_id") else self.forward(x, y)
+        if self.scale != 1.0:
+            delta = delta / self.scale
         return (delta,) + tuple(output[1:]) if isinstance(output, tuple) else delta
 
-    def _record_x(self, module, args, kwargs):
-        state = self._state("ffn_norm")
-        if state is None:
-            return None
-        if self.parallel:
-            x = state.pop("block_input", None)
-            if x is None:
-                return None
-            if self.blend != 1.0:  # homotopy: the FFN input moves from the residual after attention to the block input
-                r = args[0] if args else next(iter(kwargs.values()))
-                x = torch.lerp(r.float(), x.float(), self.blend).to(r.dtype)
-            if self.applies_update:
-                state["x"] = x
-            return ((x,) + tuple(args[1:]), kwargs) if args else ((x,), {})
-        if self.applies_update:
-            state["x"] = args[0] if args else next(iter(kwargs.values()))
-        return None
+    def _follow(self, role: str) -> None:
+        """`role`'s module replaced in its parent since the patch (PEFT wraps a Linear in a LoRA layer that calls
+        it as `base_layer`): hook the module that now sits there, before it runs, so the rule sees the output the
+        layer adds, adapter included (the hook left on the inner module would see the output without it)."""
+        parent, name, module = self._sites[role]
+        current = parent._modules.get(name)
+        if current is not module:
+            _remove_hooks_of(module, self)
+            self._hook_module(current, role)
+            self._sites[role] = (parent, name, current)
 
-    def _apply_update(self, module, args, output):
-        state = self._state("ffn_out")
-        x = None if state is None else state.pop("x", None)
-        if x is None:  # the FFN called on its own, outside the layer's forward: leave it alone
-            return None
-        return self._scaled(x, output)
+    def _check_called_alone(self, role: str) -> None:
+        """A hooked module ran without the pre-hook before it. Called on its own (outside the layer's forward) it
+        is left alone; inside the layer's forward, the layer bypassed `role`'s module (its forward was replaced
+        since the patch, e.g. a norm applied functionally), so the patch cannot apply: raise. The rare path only:
+        it reads the Python stack, which the layer call does not pay for."""
+        parent, name, module = self._sites[role]
+        replaced = parent._modules.get(name) is not module
+        frame, layer = sys._getframe(2), vars(self).get("_layer")
+        while frame is not None and not replaced:
+            replaced = frame.f_locals.get("self") is layer
+            frame = frame.f_back
+        if replaced:
+            raise RuntimeError(
+                f"hf_tangent: layer {self.index} ({type(layer).__name__}) ran without calling its {role} submodule "
+                f"({parent._modules.get(name).__class__.__name__} at '{name}'), so its patch did not apply: the "
+                "layer's forward or that module was replaced since the patch by code that hf_tangent's hooks cannot "
+                "see (e.g. a norm applied functionally). Patch an unmodified model, or remove the patch with "
+                "hf_tangent.unpatch(model)."
+            )
 
     def prepare(self, spec: ArchitectureSpec, layer: nn.Module, *, exact_in_training: bool = True) -> None:
         """Everything that can fail, before the model is touched."""
         self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
+        self._refresh()
         if self.config.implementation == "triton":
             _load_triton()
         if self.parallel and self.config.parallel_execution == "fused":
@@ -202,48 +236,35 @@ class TangentLayer(nn.Module):
     def _hook(self, layer: nn.Module, role: str) -> None:
         """Hook `role`'s submodule and remember where it sits (its parent and attribute name)."""
         module = self.spec.submodule(layer, role)
+        self._hook_module(module, role)
+        self._sites[role] = _site(layer, module)
+
+    def _hook_module(self, module: nn.Module, role: str) -> None:
         if role in ("input_norm", "ffn_norm"):
             callback = self._record_block_input if role == "input_norm" else self._record_x
             module.register_forward_pre_hook(callback, with_kwargs=True)
         else:
             module.register_forward_hook(self._apply_attention_update if role == "attention_out" else self._apply_update)
-        self._sites[role] = _site(layer, module)
-
-    def _follow_wrappers(self, layer: nn.Module) -> None:
-        """A role's module replaced in its parent since the patch (PEFT wraps a Linear in a LoRA layer that
-        calls it as `base_layer`): hook the module that now sits there, so the rule sees the output the layer
-        adds, adapter included (the hook left on the inner module would see the output without it)."""
-        for role, (parent, name, module) in list(self._sites.items()):
-            if parent._modules.get(name) is not module:
-                _remove_hooks_of(module, self)
-                self._hook(layer, role)
-        if self.fused_execution is not None and not self.fused_execution.in_place():
-            raise RuntimeError(
-                f"hf_tangent: layer {self.index} ({type(layer).__name__}) runs with parallel_execution='fused', but an "
-                "input projection was replaced since the patch (an adapter such as PEFT's LoRA wraps it), which would "
-                "run on the un-normed block input; use parallel_execution='hooks' with adapters."
-            )
 
     def install(self, layer: nn.Module) -> None:
+        vars(self)["_layer"] = layer  # not a submodule: the layer holds this child
         self._sites = {}  # role -> (parent, attribute name, the hooked module)
         if self.fused_execution is not None:
             self.fused_execution.install()
         for role in ("input_norm", "attention_out", "ffn_norm", "ffn_out"):
             if role in self.roles:
                 self._hook(layer, role)
-        if self.roles:
-            layer.register_forward_pre_hook(self._enter, with_kwargs=True)
-            layer.register_forward_hook(self._exit, always_call=True)
 
     def uninstall(self, layer: nn.Module) -> None:
         if self.fused_execution is not None:
             self.fused_execution.uninstall()
         for module in layer.modules():
             _remove_hooks_of(module, self)
-        for _, _, module in self._sites.values():  # a module hooked before a wrapper replaced it (see _follow_wrappers)
+        for _, _, module in self._sites.values():  # a module hooked before a wrapper replaced it (see _follow)
             _remove_hooks_of(module, self)
         self._sites = {}
-        self._calls.clear()
+        for pending in self._pending.values():
+            pending.clear()
 
 
 def _site(layer: nn.Module, module: nn.Module) -> tuple[nn.Module, str, nn.Module]:

@@ -3,16 +3,15 @@
 A layer's forward is never replaced. Each selected decoder layer gets a child module
 `tangent_patch` (a `TangentLayer`) whose hooks sit on the layer and its own submodules:
 
-    layer       pre-hook   open this call's state (per thread)
     input_norm  pre-hook   remember the block input            (parallel conversion, attention branch)
     ffn_norm    pre-hook   remember x; feed the block input    (parallel conversion only)
     ffn_out     hook       return x_next - x, so the layer's own `residual + out` is x_next
-    layer       hook       close the call's state; check that every hook above fired
 
-What one hook hands the next lives in that call's state, keyed by thread: two threads running one
-model never see each other's x, and nothing outlives the call. The gate (if any) is a 1-element
-parameter of the child, which is called in forward (DeepSpeed ZeRO-3 gathers it; FSDP and ZeRO-3
-refuse 0-dim parameters). `patch` builds and checks the whole new patch before it touches the
+What a pre-hook hands the hook after it is stored under the calling thread's key and popped by that
+hook: two threads running one model never see each other's x, and nothing outlives the call. Nothing
+else runs per call; the model is checked, and its layers verified numerically, when the patch is made.
+The gate (if any) is a 1-element parameter of the child, which is called in forward (DeepSpeed ZeRO-3
+gathers it; FSDP and ZeRO-3 refuse 0-dim parameters). `patch` builds and checks the whole new patch before it touches the
 model, and puts the previous patch back if anything fails while installing.
 The one exception to "hooks only" is the opt-in fused parallel execution (fused_parallel.py).
 """

@@ -1,7 +1,13 @@
-"""The update rules as Triton kernels: one program per token row, float32 (or float64) reductions,
+"""The update rules as Triton kernels: ROWS token rows per program, float32 (or float64) reductions,
 the model dtype at the boundary, an analytic backward that recomputes from x and y (nothing else
-saved). Registered with `torch.library` (`triton_op`, a fake implementation and autograd), so
-`torch.compile(fullgraph=True)` sees one op and no graph break. `fused.py` is the reference.
+saved). `fused.py` is the reference arithmetic.
+
+Three paths, one contract (`rules.residual_delta`):
+- under `torch.compile`: `fused_residual_delta`, plain torch ops that inductor fuses with the residual
+  add and the next norm around them (an opaque kernel there costs a launch and a round trip through memory);
+- eager without gradient (decode): the forward kernel through a launcher cached per (kernel, d, dtypes,
+  rule, flags, alignment, device): no torch.library dispatch, no triton argument binding per call;
+- eager with gradient: a `torch.autograd.Function` over the forward and backward kernels.
 
 Per row (notation of fused.py): z = gate * y, c = <x, z> / (||x||^2 + eps), r = ||x||.
 Triton runs on CUDA tensors; with TRITON_INTERPRET=1 (set before importing triton) the same
@@ -15,15 +21,17 @@ import os
 
 import torch
 
+from .fused import fused_residual_delta
+
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 except ImportError:  # the optional dependency: implementation="triton" then says how to get it
     triton = None
 
 RULES = {"add": 0, "zero": 1, "soft": 2, "projected": 2, "radial": 3, "norm_preserving": 4, "retract": 5}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_LAUNCH: dict[tuple, object] = {}  # key of _forward / _backward -> launch(args), filled at first use
 
 
 def available() -> bool:
@@ -36,6 +44,11 @@ def check_device(x: torch.Tensor) -> None:
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"hf_tangent: implementation='triton' runs on CUDA tensors, got {x.device.type}; use "
                            "implementation='fused' there (or TRITON_INTERPRET=1, set before importing triton, to test).")
+
+
+def rows_per_program(d: int) -> int:
+    """ROWS: about 4096 elements per program, so narrow rows (d = 576: 4 rows) share one."""
+    return max(1, 4096 // triton.next_power_of_2(d))
 
 
 if triton is not None:
@@ -52,19 +65,22 @@ if triton is not None:
         return base + poly * z * w + w
 
     @triton.jit
-    def _row(X, Y, GATE, row, stride_x, stride_y, D, eps, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr,
-             BLOCK: tl.constexpr, ACC: tl.constexpr):
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
-        y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(ACC)
+    def _rows(X, Y, GATE, n, eps, D: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+        """This program's rows of x, y as (ROWS, BLOCK) tiles in ACC; per-row scalars are (ROWS, 1)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < n) & (cols < D)
+        offs = rows.to(tl.int64) * D + cols  # rows are contiguous; int64: n * D may pass 2^31
+        x = tl.load(X + offs, mask=mask, other=0.0).to(ACC)
+        y = tl.load(Y + offs, mask=mask, other=0.0).to(ACC)
         gate = tl.load(GATE).to(ACC) if HAS_GATE else 1.0
         z = y * gate
-        xx = tl.sum(x * x, axis=0)
+        xx = tl.sum(x * x, axis=1, keep_dims=True)
         e = tl.maximum(eps * xx, 1.1754943508222875e-38) if RELATIVE else eps
         q = xx + e
-        c = tl.sum(x * z, axis=0) / q
-        return cols, mask, x, y, z, gate, xx, e, q, c
+        c = tl.sum(x * z, axis=1, keep_dims=True) / q
+        return rows, offs, mask, x, y, z, gate, xx, e, q, c
 
     @triton.jit
     def _retract_angle(t, p, P_INF: tl.constexpr):
@@ -72,59 +88,57 @@ if triton is not None:
             return t
         return p * _atan(t / p)
 
-    @triton.jit
-    def _forward_kernel(X, Y, GATE, OUT, stride_x, stride_y, stride_o, D, alpha, beta, p, eps, limit,
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["GATE"])
+    def _forward_kernel(X, Y, GATE, OUT, n, alpha, beta, p, eps, D: tl.constexpr, LIMIT: tl.constexpr,
                         RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr, P_INF: tl.constexpr,
-                        BLOCK: tl.constexpr, ACC: tl.constexpr):
-        row = tl.program_id(0)
-        cols, mask, x, y, z, gate, xx, e, q, c = _row(X, Y, GATE, row, stride_x, stride_y, D, eps, RELATIVE,
-                                                      HAS_GATE, BLOCK, ACC)
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+        rows, offs, mask, x, y, z, gate, xx, e, q, c = _rows(X, Y, GATE, n, eps, D, RELATIVE, HAS_GATE, ROWS,
+                                                             BLOCK, ACC)
         if RULE == 0:
             delta = alpha * z
         elif RULE == 1:
-            delta = z * 0.0
+            delta = tl.zeros_like(z)
         elif RULE == 2:
             delta = alpha * (z - beta * c * x)
         elif RULE == 3:
             delta = (alpha * c) * x
         elif RULE == 4:
             t = z - c * x
-            nz = tl.sqrt(tl.sum(z * z, axis=0))
-            nt = tl.sqrt(tl.sum(t * t, axis=0))
+            nz = tl.sqrt(tl.sum(z * z, axis=1, keep_dims=True))
+            nt = tl.sqrt(tl.sum(t * t, axis=1, keep_dims=True))
             delta = t * (alpha * nz / (nt + e))
         else:
             tangent = z - c * x
             r = tl.sqrt(xx)
-            t = tl.abs(alpha) * tl.sqrt(tl.sum(tangent * tangent, axis=0)) / tl.where(r > 0, r, 1.0)
+            t = tl.abs(alpha) * tl.sqrt(tl.sum(tangent * tangent, axis=1, keep_dims=True)) / tl.where(r > 0, r, 1.0)
             theta = _retract_angle(t, p, P_INF)
             b = tl.where(t > 0, tl.sin(theta) / tl.where(t > 0, t, 1.0), 1.0)
             s = tl.sin(theta * 0.5)
             delta = -2.0 * s * s * x + (alpha * b) * tangent
             delta = tl.where(r > 0, delta, 0.0)  # x = 0 stays 0
-            delta = tl.minimum(tl.maximum(delta, -limit), limit)  # finite in the model dtype
-        tl.store(OUT + row * stride_o + cols, delta.to(OUT.dtype.element_ty), mask=mask)
+            delta = tl.minimum(tl.maximum(delta, -LIMIT), LIMIT)  # finite in the model dtype
+        tl.store(OUT + offs, delta.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _project_back(gv, x, z, c, q, beta):
         """(dz, dx) of w = z - beta c x with upstream gv (fused._project_back)."""
-        gx = tl.sum(gv * x, axis=0)
+        gx = tl.sum(gv * x, axis=1, keep_dims=True)
         dz = gv - beta * gx * x / q
         dx = -beta * (c * gv + gx * (z / q - 2.0 * c * x / q))
         return dz, dx
 
-    @triton.jit
-    def _backward_kernel(G, X, Y, GATE, DX, DY, DGATE, stride_g, stride_x, stride_y, D, alpha, beta, p, eps,
-                         RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr, P_INF: tl.constexpr,
-                         BLOCK: tl.constexpr, ACC: tl.constexpr):
-        row = tl.program_id(0)
-        cols, mask, x, y, z, gate, xx, e, q, c = _row(X, Y, GATE, row, stride_x, stride_y, D, eps, RELATIVE,
-                                                      HAS_GATE, BLOCK, ACC)
-        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(ACC)
-        dx = x * 0.0
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["GATE"])
+    def _backward_kernel(G, X, Y, GATE, DX, DY, DGATE, n, alpha, beta, p, eps, D: tl.constexpr,
+                         LIMIT: tl.constexpr, RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr,
+                         P_INF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+        rows, offs, mask, x, y, z, gate, xx, e, q, c = _rows(X, Y, GATE, n, eps, D, RELATIVE, HAS_GATE, ROWS,
+                                                             BLOCK, ACC)
+        g = tl.load(G + offs, mask=mask, other=0.0).to(ACC)
+        dx = tl.zeros_like(x)
         if RULE == 0:
             dz = alpha * g
         elif RULE == 1:
-            dz = g * 0.0
+            dz = tl.zeros_like(g)
         elif RULE == 2:
             dz, dx = _project_back(alpha * g, x, z, c, q, beta)
         elif RULE == 3:
@@ -134,10 +148,10 @@ if triton is not None:
         elif RULE == 4:
             ga = alpha * g
             t = z - c * x
-            nz = tl.sqrt(tl.sum(z * z, axis=0))
-            nt = tl.sqrt(tl.sum(t * t, axis=0))
+            nz = tl.sqrt(tl.sum(z * z, axis=1, keep_dims=True))
+            nt = tl.sqrt(tl.sum(t * t, axis=1, keep_dims=True))
             k = nz / (nt + e)
-            gt = tl.sum(ga * t, axis=0)
+            gt = tl.sum(ga * t, axis=1, keep_dims=True)
             grad_t = k * ga - gt * nz / ((nt + e) * (nt + e)) * t / tl.where(nt > 0, nt, 1.0)
             dz, dx = _project_back(grad_t, x, z, c, q, 1.0)
             dz = dz + gt / (nt + e) * z / tl.where(nz > 0, nz, 1.0)
@@ -145,7 +159,7 @@ if triton is not None:
             v = alpha * (z - c * x)
             r = tl.sqrt(xx)
             r2 = tl.where(r > 0, r, 1.0) * tl.where(r > 0, r, 1.0)
-            t = tl.sqrt(tl.sum(v * v, axis=0)) / tl.sqrt(r2)
+            t = tl.sqrt(tl.sum(v * v, axis=1, keep_dims=True)) / tl.sqrt(r2)
             theta = _retract_angle(t, p, P_INF)
             if P_INF:
                 dtheta = 1.0
@@ -160,77 +174,113 @@ if triton is not None:
             a = -2.0 * s * s
             da_t = -dtheta * sin_over_t
             db_t = tl.where(small, series, (dtheta * tl.cos(theta) * ts - tl.sin(theta)) / (ts * ts * ts))
-            dl = tl.sum(g * x, axis=0) * da_t + tl.sum(g * v, axis=0) * db_t
+            dl = tl.sum(g * x, axis=1, keep_dims=True) * da_t + tl.sum(g * v, axis=1, keep_dims=True) * db_t
             dv = sin_over_t * g + dl * v / r2
             dx_direct = a * g - dl * (t * t) * x / r2
             dz, dx_proj = _project_back(alpha * dv, x, z, c, q, 1.0)
             dz = tl.where(r > 0, dz, 0.0)
             dx = tl.where(r > 0, dx_direct + dx_proj, 0.0)
-        tl.store(DX + row * stride_x + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(DY + row * stride_y + cols, (dz * gate).to(DY.dtype.element_ty), mask=mask)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DY + offs, (dz * gate).to(DY.dtype.element_ty), mask=mask)
         if HAS_GATE:
-            tl.store(DGATE + row, tl.sum(dz * y, axis=0))
+            tl.store(DGATE + rows, tl.sum(dz * y, axis=1, keep_dims=True), mask=rows < n)
 
-    def _meta(x: torch.Tensor, y: torch.Tensor, gate, rule: int, p: float, relative: bool) -> dict:
-        acc = tl.float64 if torch.promote_types(y.dtype, torch.float32) == torch.float64 else tl.float32
-        return dict(RULE=rule, RELATIVE=relative, HAS_GATE=gate is not None, P_INF=math.isinf(p),
-                    BLOCK=triton.next_power_of_2(x.shape[-1]), ACC=acc)
 
-    @triton_op("hf_tangent::tangent_update", mutates_args=())
-    def tangent_update(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, rule: int, alpha: float,
-                       beta: float, p: float, eps: float, relative: bool) -> torch.Tensor:
-        """x_next - x for rows x, y (n, d) in y's dtype; see the module docstring."""
-        out = torch.empty_like(y)
-        limit = torch.finfo(y.dtype).max
-        dummy = gate if gate is not None else y
-        wrap_triton(_forward_kernel)[(x.shape[0],)](
-            x, y, dummy, out, x.stride(0), y.stride(0), out.stride(0), x.shape[1], alpha, beta,
-            p if math.isfinite(p) else 0.0, eps, limit, **_meta(x, y, gate, rule, p, relative))
-        return out
+def _compile(key: tuple, args: tuple) -> None:
+    """First use of `key`: launch through triton (compiling) and cache launch(args) for the next calls.
 
-    @triton_op("hf_tangent::tangent_update_backward", mutates_args=())
-    def tangent_update_backward(grad: torch.Tensor, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None,
-                                rule: int, alpha: float, beta: float, p: float, eps: float,
-                                relative: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dx, dy = torch.empty_like(x), torch.empty_like(y)
-        dgate_rows = torch.zeros(x.shape[0] if gate is not None else 0, dtype=torch.promote_types(y.dtype, torch.float32),
-                                 device=x.device)
-        dummy = gate if gate is not None else y
-        wrap_triton(_backward_kernel)[(x.shape[0],)](
-            grad, x, y, dummy, dx, dy, dgate_rows, grad.stride(0), x.stride(0), y.stride(0), x.shape[1], alpha, beta,
-            p if math.isfinite(p) else 0.0, eps, **_meta(x, y, gate, rule, p, relative))
-        return dx, dy, dgate_rows
+    key = (kernel, d, x dtype, y dtype, gate dtype or None, rule, relative, p = inf, x and y 16-byte aligned,
+    [the gradient's alignment and dtype,] device): what triton specializes on (n is not specialized, the floats
+    never are, the other pointers are fresh), so the compiled kernel is right for every later call with the
+    same key and triton's per-call argument binding, specialization and cache lookup can be skipped.
+    """
+    kernel, d, _, y_dtype, gate_dtype, rule, relative, p_inf, *_ = key
+    rows, block = rows_per_program(d), triton.next_power_of_2(d)
+    acc = tl.float64 if torch.promote_types(y_dtype, torch.float32) == torch.float64 else tl.float32
+    meta = dict(D=d, LIMIT=torch.finfo(y_dtype).max, RULE=rule, RELATIVE=relative, HAS_GATE=gate_dtype is not None,
+                P_INF=p_inf,
+                ROWS=rows, BLOCK=block, ACC=acc)
+    options = dict(num_warps=max(4, min(16, rows * block // 1024)))
+    compiled = kernel[(triton.cdiv(args[-5], rows),)](*args, **meta, **options)  # args[-5]: n
+    launch = None
+    if not INTERPRET:
+        # triton's own launch with what it decided at the first call; which constexprs the launcher takes
+        # changed across triton versions (none before 3.3, all after): its compiled signature says
+        passed = [name for name in kernel.arg_names if name in compiled.src.signature]
+        if passed[:len(args)] == kernel.arg_names[:len(args)]:
+            consts = tuple(meta[name] for name in passed[len(args):])
+            run, function, packed, stream = (compiled.run, compiled.function, compiled.packed_metadata,
+                                             triton.runtime.driver.active.get_current_stream)
+            device = key[-1]
 
-    @tangent_update.register_fake
-    def _(x, y, gate, rule, alpha, beta, p, eps, relative):
-        return torch.empty_like(y)
+            def launch(args):
+                run((args[-5] + rows - 1) // rows, 1, 1, stream(device), function, packed, None, None, None, *args,
+                    *consts)
+    if launch is None:  # the interpreter (or an unknown launcher): triton's ordinary launch every time
+        def launch(args):
+            kernel[(triton.cdiv(args[-5], rows),)](*args, **meta, **options)
+    _LAUNCH[key] = launch
 
-    @tangent_update_backward.register_fake
-    def _(grad, x, y, gate, rule, alpha, beta, p, eps, relative):
-        rows = x.shape[0] if gate is not None else 0
-        return torch.empty_like(x), torch.empty_like(y), y.new_empty(rows, dtype=torch.promote_types(y.dtype, torch.float32))
 
-    def _setup_context(ctx, inputs, output):
-        x, y, gate, *params = inputs
+def _forward(x, y, gate, rule, alpha, beta, p, eps, relative):
+    """x_next - x for rows x, y (n, d) in y's dtype, no autograd: one cached launch."""
+    out = torch.empty_like(y)
+    args = (x, y, y if gate is None else gate, out, y.shape[0], alpha, beta, p, eps)
+    key = (_forward_kernel, y.shape[1], x.dtype, y.dtype, None if gate is None else gate.dtype, rule, relative,
+           math.isinf(p), x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, y.get_device())
+    launch = _LAUNCH.get(key)
+    if launch is None:
+        _compile(key, args)
+    else:
+        launch(args)
+    return out
+
+
+def _backward(g, x, y, gate, rule, alpha, beta, p, eps, relative):
+    """(dx, dy, dgate) for the upstream gradient g of _forward's output, rows (n, d)."""
+    dx, dy = torch.empty_like(x), torch.empty_like(y)
+    dgate_rows = torch.empty(y.shape[0] if gate is not None else 0, dtype=torch.promote_types(y.dtype, torch.float32),
+                             device=y.device)
+    args = (g, x, y, y if gate is None else gate, dx, dy, dgate_rows, y.shape[0], alpha, beta, p, eps)
+    key = (_backward_kernel, y.shape[1], x.dtype, y.dtype, None if gate is None else gate.dtype, rule, relative,
+           math.isinf(p), x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, g.data_ptr() % 16 == 0, g.dtype,
+           y.get_device())
+    launch = _LAUNCH.get(key)
+    if launch is None:
+        _compile(key, args)
+    else:
+        launch(args)
+    return dx, dy, None if gate is None else dgate_rows.sum().reshape(gate.shape).to(gate.dtype)
+
+
+class _Update(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y, gate, *params):
         ctx.save_for_backward(x, y, gate)
         ctx.params = params
+        return _forward(x, y, gate, *params)
 
-    def _backward(ctx, grad):
+    @staticmethod
+    def backward(ctx, grad):
         x, y, gate = ctx.saved_tensors
-        dx, dy, dgate_rows = tangent_update_backward(grad.contiguous(), x, y, gate, *ctx.params)
-        dgate = None if gate is None else dgate_rows.sum().reshape(gate.shape).to(gate.dtype)
-        return dx, dy, dgate, None, None, None, None, None, None
-
-    tangent_update.register_autograd(_backward, setup_context=_setup_context)
+        return *_backward(grad.contiguous(), x, y, gate, *ctx.params), None, None, None, None, None, None
 
 
 def triton_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute", gate=None):
-    """Same contract as `rules.residual_delta` (x_next - x in y's dtype), through the Triton kernels."""
-    if update not in RULES:
+    """Same contract as `rules.residual_delta` (x_next - x in y's dtype); the three paths of the module docstring."""
+    rule = RULES.get(update)
+    if rule is None:
         raise ValueError(f"implementation='triton' has no kernel for update {update!r}; accepted: {', '.join(RULES)}.")
-    check_device(y)
-    shape = y.shape
-    x2, y2 = x.reshape(-1, shape[-1]).contiguous(), y.reshape(-1, shape[-1]).contiguous()  # (n, d)
-    delta = tangent_update(x2, y2, gate, RULES[update], float(alpha), float(beta if update == "soft" else 1.0),
-                           float(p), float(eps), eps_mode == "relative")
-    return delta.reshape(shape)
+    if torch.compiler.is_compiling():
+        return fused_residual_delta(x, y, update, alpha=alpha, beta=beta, p=p, eps=eps, eps_mode=eps_mode, gate=gate)
+    if triton is None or (y.device.type != "cuda" and not INTERPRET):
+        check_device(y)
+    if x.shape != y.shape:  # the kernels read x's rows at y's offsets
+        raise ValueError(f"implementation='triton' needs x and y of one shape, got {tuple(x.shape)} and {tuple(y.shape)}.")
+    d = y.shape[-1]
+    x2, y2 = x.reshape(-1, d).contiguous(), y.reshape(-1, d).contiguous()  # (n, d)
+    # floats always: a Python int 1 would be specialized into the cached kernel as a constant
+    params = (rule, float(alpha), float(beta) if update == "soft" else 1.0, float(p), float(eps), eps_mode == "relative")
+    if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
+        return _Update.apply(x2, y2, gate, *params).view(y.shape)
+    return _forward(x2, y2, gate, *params).view(y.shape)
