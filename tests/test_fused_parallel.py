@@ -330,3 +330,37 @@ def test_layers_the_fused_path_cannot_compute_are_refused_at_patch_time():
                                          "size 64"):
         convert(model, "fused")
     assert ht.get_config(model) is None
+
+
+def test_an_aborted_call_leaves_no_normalised_input_for_the_next(ids):
+    """The input norm's (h, h / rms(h)) outlived a call that raised inside the attention; a later call on the very
+    same (in-place changed) input tensor reused the stale normalisation (fresh-eyes review)."""
+    fused, hooks = convert(tiny(), "fused"), convert(tiny(), "hooks")
+    emb = fused.model.embed_tokens(ids).detach().clone()
+
+    def out_of_memory(module, args):
+        raise RuntimeError("simulated OOM")
+
+    handle = fused.model.layers[0].self_attn.o_proj.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated OOM"), torch.no_grad():
+        fused(inputs_embeds=emb)
+    handle.remove()
+    with torch.no_grad():
+        emb.add_(torch.randn_like(emb))
+        assert (fused(inputs_embeds=emb).logits - hooks(inputs_embeds=emb).logits).abs().max() < 1e-5
+
+
+def test_savers_that_drop_shared_storages_write_every_weight(tmp_path, ids):
+    """The projections' weights are views of the stacked weight: accelerate's save_model dropped k, v and up as
+    'shared tensors' and safetensors' save_model refused; the state dict now gives them storages of their own."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file, save_model
+
+    model = convert(tiny(), "fused")
+    save_model(model, str(tmp_path / "st.safetensors"))
+    Accelerator().save_model(model, tmp_path / "acc")
+    expected = {k: v for k, v in model.state_dict().items()}
+    for path in (tmp_path / "st.safetensors", tmp_path / "acc" / "model.safetensors"):
+        saved = load_file(path)
+        assert set(saved) == set(expected)
+        assert all(torch.equal(saved[k], expected[k]) for k in expected)

@@ -173,7 +173,7 @@ def test_install_failure_rolls_back(monkeypatch, ids):
     assert torch.equal(logits(model, ids), before)
     assert ht.get_config(model).update == "projected" and ht.tangent_layers(model)[0].gate.item() == 0.75
     hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert hooked == 3 * 2  # per layer: ffn_norm, ffn_out
+    assert hooked == 3 * 2 + 2  # per layer: ffn_norm, ffn_out; the module that runs the layers: a call begins, ends
 
 
 def test_shared_layer_object_is_refused_and_unpatch_never_fails(ids):
@@ -409,3 +409,54 @@ def test_resume_uses_the_newest_complete_checkpoint(tmp_path):
     Args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")
     with pytest.raises(ValueError, match="checkpoint-4: not a complete Trainer checkpoint"):
         train(make_tiny("llama"), None, Args())
+
+
+# ----------------------------------------------------------------------------- issue 58's lean hooks: review findings
+def test_an_aborted_call_leaves_nothing_for_a_later_standalone_ffn(ids):
+    """An exception between the norm's pre-hook and the FFN's hook (an out-of-memory error inside the MLP) left
+    x behind for the thread, and a later standalone FFN call applied the rule with that stale x."""
+    model = ht.patch(make_tiny("llama"), PROJECTED)
+    mlp = model.model.layers[0].mlp
+
+    def out_of_memory(module, args):
+        raise RuntimeError("simulated OOM")
+
+    handle = mlp.up_proj.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated OOM"):
+        model(ids)
+    handle.remove()
+    assert all(not any(child._pending.values()) for child in ht.tangent_layers(model))
+    t = torch.randn(2, 12, 64)
+    with torch.no_grad():
+        alone = mlp(t)
+        with ht.disabled(model):
+            assert torch.equal(alone, mlp(t))
+    with torch.no_grad():  # and a norm called on its own hands nothing to the next model call's FFN
+        model.model.layers[0].post_attention_layernorm(t)
+        assert torch.equal(model(ids).logits, logits(ht.patch(make_tiny("llama"), PROJECTED), ids))
+
+
+def test_a_hook_on_the_layer_may_call_its_ffn(ids):
+    """The check for a bypassed norm read any frame of the layer's call as its forward: a user's forward hook on
+    the layer that calls the FFN raised 'ran without calling its ffn_norm submodule'."""
+    model = ht.patch(make_tiny("llama"), PROJECTED)
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda m, a, o: seen.append(m.mlp(o[0] if isinstance(o, tuple) else o)))
+    with torch.no_grad():
+        model(ids)
+    assert len(seen) == 1
+
+
+def test_gates_of_an_offloaded_model_are_loaded_by_accelerate(ids):
+    """The rule was called without calling the patch's child module, so accelerate's offload hook on it never
+    moved the gate off the meta device: the forward failed."""
+    from accelerate import cpu_offload
+
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(0.6)
+    before = logits(model, ids)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    assert ht.tangent_layers(model)[0].gate.is_meta
+    assert torch.equal(logits(model, ids), before)

@@ -70,18 +70,17 @@ def _forward(x, y, gate, update, alpha, beta, p, eps, eps_mode):
     # rules.retract with v = alpha y_tan, t = ||v|| / ||x||, theta = p atan(t / p): x_next - x is
     # (cos(theta) - 1) x + (sin(theta) / t) v = b y_tan - k a x, with b = alpha sin(theta) / t and k a = 1 - cos(theta)
     # in a form that does not cancel for small theta; p = 1 and 2 (projection, Cayley) need no trigonometry.
-    # Where x = 0 these are inf or NaN: masked below. (Where ||v||^2 overflows float32, p = 1 and 2 give NaN; the
-    # reference's norm overflows there too, to t = inf.)
+    # Where x = 0 these are inf or NaN: masked below.
     nv = torch.linalg.vector_norm(y_tan, dim=-1, keepdim=True)
     if alpha != 1.0:
         nv = nv * abs(alpha)  # ||v||
     if p == 1.0:  # theta = atan(t): sin / t = cos = 1 / s, s = sqrt(1 + t^2); 1 - cos = t^2 / (s^2 + s)
-        t2 = nv * nv / xx
+        t2 = (nv * nv / xx).clamp_max(torch.finfo(dtype).max)  # t^2 overflows: the limit theta -> pi / 2, not inf / inf
         u = t2 + 1.0
         s = u.sqrt()
         b, a, k = s.reciprocal(), t2 / (u + s), 1.0
     elif p == 2.0:  # theta = 2 atan(t / 2): sin / t = 1 / (1 + t^2 / 4); 1 - cos = (t^2 / 2) sin / t
-        t2 = nv * nv / xx
+        t2 = (nv * nv / xx).clamp_max(torch.finfo(dtype).max)  # as for p = 1: the limit theta -> pi
         b = (t2 * 0.25 + 1.0).reciprocal()
         a, k = t2 * b, 0.5
     else:  # 1 - cos = 2 sin^2(theta / 2); t = 0 (no step) floored, so that sin(theta) / t -> 1

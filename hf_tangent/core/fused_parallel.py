@@ -157,6 +157,15 @@ class FusedProjection(nn.Linear):
             group.link()
         return self
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Saved as tensors of their own: the live weights are views of the stacked weight, and savers that drop
+        tensors sharing a storage (safetensors' save_model, accelerate's save_model) would drop them."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:
+            for name in ("weight", "bias"):
+                if destination.get(prefix + name) is not None:
+                    destination[prefix + name] = destination[prefix + name].clone()
+
     def register_parameter(self, name, param):  # setattr: from_pretrained's loading, load_state_dict(assign=True):
         super().register_parameter(name, param)  # linked on the next call, once (not per parameter loaded)
         self._fused_group.weight = None

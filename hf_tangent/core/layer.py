@@ -169,24 +169,26 @@ class TangentLayer(nn.Module):
         if x is None:
             self._check_called_alone("input_norm" if self.parallel else "ffn_norm")
             return None
-        if self._direct and not isinstance(output, tuple):  # the common case: the rule on the output as it is
-            gate = self.gate
-            if not hasattr(gate, "ds_id"):
-                return self._rule(x, output, gate=gate)
+        if (self._direct and not isinstance(output, tuple) and not self._forward_pre_hooks and not self._forward_hooks
+                and "forward" not in self.__dict__):  # the rule on the output as it is (see _wrapped)
+            return self._rule(x, output, gate=self.gate)
         return self._scaled(x, output)
 
     def _scaled(self, x, output):
-        """The layer adds s * output: the rule sees y = s * output and returns (x_next - x) / s. The child is
-        called (not only its forward) when it holds a gate, so engines that gather parameters in a pre-forward
-        hook (DeepSpeed ZeRO-3) gather it."""
+        """The layer adds s * output: the rule sees y = s * output and returns (x_next - x) / s."""
         y = output[0] if isinstance(output, tuple) else output
         if self.scale != 1.0:
             y = y * self.scale
-        # a gate partitioned by DeepSpeed ZeRO-3 (ds_id) is gathered by a pre-forward hook: call the child itself
-        delta = self(x, y) if hasattr(self.gate, "ds_id") else self.forward(x, y)
+        delta = self(x, y) if self._wrapped() else self.forward(x, y)
         if self.scale != 1.0:
             delta = delta / self.scale
         return (delta,) + tuple(output[1:]) if isinstance(output, tuple) else delta
+
+    def _wrapped(self) -> bool:
+        """True when something hooks this child or replaced its forward: DeepSpeed ZeRO-3 gathers the gate in a
+        pre-forward hook, accelerate's offload moves it to the device in a replaced forward. Then the child is
+        called as a module, else its rule directly (the same arithmetic, without the module call's dispatch)."""
+        return bool(self._forward_pre_hooks or self._forward_hooks or "forward" in self.__dict__)
 
     def _follow(self, role: str) -> None:
         """`role`'s module replaced in its parent since the patch (PEFT wraps a Linear in a LoRA layer that calls
@@ -207,8 +209,8 @@ class TangentLayer(nn.Module):
         parent, name, module = self._sites[role]
         replaced = parent._modules.get(name) is not module
         frame, layer = sys._getframe(2), vars(self).get("_layer")
-        while frame is not None and not replaced:
-            replaced = frame.f_locals.get("self") is layer
+        while frame is not None and not replaced:  # the layer's forward (not a hook of the layer's) is running
+            replaced = frame.f_code.co_name == "forward" and frame.f_locals.get("self") is layer
             frame = frame.f_back
         if replaced:
             raise RuntimeError(
@@ -255,6 +257,28 @@ class TangentLayer(nn.Module):
             if role in self.roles:
                 self._hook(layer, role)
 
+    def clear_around(self, runner: nn.Module, children) -> None:
+        """Hand-overs never outlive a model call: what an aborted call (an exception between a pre-hook and its
+        consumer) or a norm called on its own left is dropped when the module that runs the decoder layers starts
+        and ends a call (also on an exception: always_call). One pair of hooks for the model, not per layer."""
+        vars(self)["_runner"], vars(self)["_siblings"] = runner, tuple(children)  # not submodules
+        runner.register_forward_pre_hook(self._begin_model_call)
+        runner.register_forward_hook(self._end_model_call, always_call=True)
+
+    def _begin_model_call(self, module, args):
+        self._clear()
+
+    def _end_model_call(self, module, args, output):
+        self._clear()
+
+    def _clear(self) -> None:
+        key = call_key()
+        for child in self._siblings:
+            for pending in child._pending.values():
+                pending.pop(key, None)
+            if child.fused_execution is not None:
+                child.fused_execution.pending = None
+
     def uninstall(self, layer: nn.Module) -> None:
         if self.fused_execution is not None:
             self.fused_execution.uninstall()
@@ -262,6 +286,10 @@ class TangentLayer(nn.Module):
             _remove_hooks_of(module, self)
         for _, _, module in self._sites.values():  # a module hooked before a wrapper replaced it (see _follow)
             _remove_hooks_of(module, self)
+        runner = vars(self).pop("_runner", None)
+        if runner is not None:
+            _remove_hooks_of(runner, self)
+            vars(self).pop("_siblings", None)
         self._sites = {}
         for pending in self._pending.values():
             pending.clear()

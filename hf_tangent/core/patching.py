@@ -238,6 +238,10 @@ def _apply(model, state: _PatchState) -> None:
         child.train(layer.training)  # a new module starts in training mode; the noise rules act only there
         layer.add_module(CHILD_NAME, child)
         child.install(layer)
+    if state.children:  # the module that runs the decoder layers drops what an aborted call handed on
+        layers = state.children[0][1].spec.decoder_layers(model)
+        runner = next(m for m in model.modules() if any(c is layers for c in m._modules.values()))
+        state.children[0][1].clear_around(runner, [child for _, child in state.children])
     if state.config is not None:
         vars(model)[_MODEL_ATTR] = state.config
     if state.record is not None:
