@@ -3,11 +3,14 @@
     import hf_tangent as ht
     model = ht.patch(model, ht.TangentConfig(update="projected"))
 
-Importing this package changes nothing: every patch is per model instance. The recipe API
+Importing this package patches no model (every patch is per model instance); it registers the PEFT
+method `TangentPeftConfig` with PEFT. The recipe API
 (`ht.calibrate_gates`, `ht.evaluate_rules`, ...) is imported on first use.
 """
 
 from .analysis.parallel import parallelize
+from .artifacts.adapter import TangentPeftConfig
+from .artifacts.adapter import register as _register_peft_method
 from .artifacts.hub import push_to_hub, save_hub_folder
 from .artifacts.loading import from_pretrained
 from .artifacts.models import load_model
@@ -29,6 +32,8 @@ from .core.patching import (
 )
 from .core.registry import ArchitectureSpec, register_architecture, supported_model_types
 from .training.data import TextSource
+
+_register_peft_method()  # PEFT takes TangentPeftConfig from here on (artifacts/adapter)
 
 # The Python API of every recipe (hf_tangent.experiments), loaded lazily: it imports the Trainer.
 _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
@@ -64,6 +69,7 @@ __all__ = [
     "ArchitectureSpec",
     "TangentConfig",
     "TangentLayer",
+    "TangentPeftConfig",
     "TextSource",
     "__version__",
     "disabled",

@@ -20,7 +20,14 @@ each loaded by:
     transformers     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
     no remote code   AutoModelForCausalLM.from_pretrained(path)
     hf_tangent       ht.from_pretrained(path)
-    PEFT             AutoPeftModelForCausalLM.from_pretrained(path) (and path/adapter for a repo with LoRA)
+    AutoPeftModel    AutoPeftModelForCausalLM.from_pretrained(path) (and path/adapter for a repo with LoRA)
+    PeftModel        PeftModel.from_pretrained(base, path), the base loaded by plain transformers
+    load_adapter     base.load_adapter(path), transformers' own PEFT integration
+
+The artifacts: the hub folder (ht.save_hub_folder), the patch repo (ht.save_patch: a PEFT adapter folder),
+the exported folder (hf-tangent export), the re-saved folder (a remote-code load saved again) and the
+output_dir (what the Trainer's and TRL's save_model write: the model's save_pretrained into a folder that
+holds checkpoint-N/; with LoRA, the PeftModel's save, whose adapter names hf_tangent's marker as its base).
 
 A cell is **exact** when the loaded model's logits equal the in-memory patched model's within 1e-5 of the
 logit scale, **refused** when the loader raises, and **wrong** when it returns a model whose logits differ: never
@@ -28,8 +35,8 @@ allowed. In bfloat16 the model in memory is the base loaded by plain transformer
 float32 model cast with `.to(torch.bfloat16)` also casts buffers that a load computes in float32 (rotary
 frequencies), so its own unpatched save-and-load pair drifts by up to ~0.3 % of the logit scale (mixtral); the
 load of the same checkpoint, patched, is the reference that a faithful loader must match. Refusing is allowed everywhere except where the artifact is made for the loader (hf_tangent's loader
-on every artifact; transformers with remote code on the complete folders; PEFT's PeftModel on the patch
-repo's adapters): there a refusal is an **error**. A variant the type cannot take (fused parallel execution
+on every artifact but a LoRA output_dir; transformers with remote code on the complete folders; the three PEFT
+loaders on a patch repo without LoRA): there a refusal is an **error**. A variant the type cannot take (fused parallel execution
 needs RMSNorm blocks with separate projections) is refused at patch time and not in the matrix.
 """
 
@@ -61,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KEPT = ROOT / "docs" / "results" / "conformance"
 DOC = ROOT / "docs" / "conformance.md"
 # What the matrix's results depend on: the remote code (core/) and the writers and loaders of artifacts/.
-DIGESTED = ("hf_tangent/core/*.py", "hf_tangent/artifacts/*.py")
+DIGESTED = ("hf_tangent/core/*.py", "hf_tangent/artifacts/*.py", "hf_tangent/artifacts/adapter/*.py")
 SEED_TYPES = ("gpt2", "gpt_neox", "llama", "mistral", "mixtral")  # CI: the seed families and one MoE
 TOLERANCE = 1e-5  # of the logit scale
 
@@ -72,14 +79,31 @@ VARIANTS = {  # name -> (TangentConfig fields, gate values by layer, homotopy la
                                              parallel_execution="fused"), (), None, False),
     "projected, gates, LoRA": (dict(update="projected", gates=True), (1.2, 0.7), None, True),
 }
-ARTIFACTS = ("hub folder", "patch repo", "exported folder", "re-saved folder")
-LORA_ARTIFACTS = ("patch repo", "exported folder")  # adapters travel in patch repos; export merges them
-LOADERS = ("transformers", "no remote code", "hf_tangent", "PEFT")
-MADE_FOR = {  # (artifact, loader) pairs where a refusal is an error, not an allowed answer
+ARTIFACTS = ("hub folder", "patch repo", "exported folder", "re-saved folder", "output_dir")
+LORA_ARTIFACTS = ("patch repo", "exported folder", "output_dir")  # adapters travel in patch repos; export merges them
+PEFT_LOADERS = ("AutoPeftModel", "PeftModel", "load_adapter")
+LOADERS = ("transformers", "no remote code", "hf_tangent", *PEFT_LOADERS)
+MADE_FOR = {  # (artifact, loader) pairs where a refusal is an error, not an allowed answer (LoRA: made_for())
     ("hub folder", "transformers"), ("hub folder", "hf_tangent"), ("exported folder", "transformers"),
     ("exported folder", "hf_tangent"), ("re-saved folder", "transformers"), ("re-saved folder", "hf_tangent"),
-    ("patch repo", "hf_tangent"),
+    ("output_dir", "transformers"), ("output_dir", "hf_tangent"),
+    ("patch repo", "hf_tangent"), *(("patch repo", loader) for loader in PEFT_LOADERS),
 }
+
+
+# Not in the matrix: LoRA saved by a PeftModel around a patched model (the output_dir of a Trainer or TRL run), loaded
+# by PeftModel.from_pretrained(base, folder) or base.load_adapter(folder). The caller passes the base, and PEFT
+# gives no hook where hf_tangent could refuse an unpatched one: onto the unpatched base the logits are wrong. The
+# adapter's card and docs/peft.md say to pass the base patched as in training (or to save with ht.save_patch).
+NO_HOOK = "LoRA output_dir through PeftModel / load_adapter onto a base the caller passes"
+
+
+def made_for(artifact: str, loader: str, lora: bool) -> bool:
+    """A refusal here is an error. With LoRA, PEFT's loaders would drop the patch or the adapters: they refuse
+    the patch repo, and every loader may refuse the output_dir (a PeftModel's adapter, trained on the patch)."""
+    if lora and (loader in PEFT_LOADERS or artifact == "output_dir"):
+        return False
+    return (artifact, loader) in MADE_FOR
 # The cells also run in bfloat16. Not LoRA: merging adapters (export) rounds W + BA to bfloat16, which the
 # unmerged model in memory never does (~0.7 % of the logit scale here): a property of merging, not of a loader.
 BF16 = {
@@ -171,7 +195,7 @@ def _peft_alone(base, folder: Path) -> str | None:
     return None
 
 
-def _load(artifact_path: Path, loader: str, dtype, lora: bool):
+def _load(artifact_path: Path, loader: str, dtype, lora: bool, base_folder: Path):
     """What the loader returns for the artifact (a model), for every way it is reached."""
     from transformers import AutoModelForCausalLM
 
@@ -181,20 +205,30 @@ def _load(artifact_path: Path, loader: str, dtype, lora: bool):
         return [AutoModelForCausalLM.from_pretrained(artifact_path, trust_remote_code=False, dtype=dtype)]
     if loader == "hf_tangent":
         return [ht.from_pretrained(artifact_path, dtype=dtype)]
-    from peft import AutoPeftModelForCausalLM
+    from peft import AutoPeftModelForCausalLM, PeftModel
 
     paths = [artifact_path] + ([artifact_path / "adapter"] if lora and (artifact_path / "adapter").is_dir() else [])
-    return [AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype) for path in paths]
+    if loader == "AutoPeftModel":
+        return [AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype) for path in paths]
+    models = []
+    for path in paths:
+        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype)
+        if loader == "PeftModel":
+            models.append(PeftModel.from_pretrained(base, path))
+        else:
+            base.load_adapter(path)
+            models.append(base)
+    return models
 
 
-def _cell(ref, artifact, loader, make) -> dict:
+def _cell(ref, artifact, loader, make, lora: bool = False) -> dict:
     """One cell: exact / refused / wrong / error, with the largest difference relative to the logit scale."""
     scale = ref.abs().amax().item()
     try:
         with _quiet():
             models = make()
     except Exception as err:  # noqa: BLE001 - a refusal is an answer; whether it is allowed is below
-        status = "error" if (artifact, loader) in MADE_FOR else "refused"
+        status = "error" if made_for(artifact, loader, lora) else "refused"
         return {"status": status, "message": _error(err)}
     worst = 0.0
     for model in models:
@@ -251,6 +285,8 @@ def check_type(model_type: str, work: Path) -> dict:
             folders = _write(model, variant, work / f"{tag}-{len(row['cells'])}", base_folder, artifacts)
             for artifact in artifacts:
                 for loader in LOADERS:
+                    if lora and artifact == "output_dir" and loader in ("PeftModel", "load_adapter"):
+                        continue  # the caller passes the base: PEFT has no hook to refuse an unpatched one (NO_HOOK)
                     cell = {"variant": variant, "artifact": artifact, "loader": loader, "dtype": tag}
                     folder = folders[artifact]
                     if isinstance(folder, str):  # the save itself failed or was refused
@@ -258,7 +294,8 @@ def check_type(model_type: str, work: Path) -> dict:
                                     message=folder)
                     else:
                         cell.update(_cell(ref, artifact, loader,
-                                          lambda f=folder, lo=loader, d=dtype, a=lora: _load(f, lo, d, a)))
+                                          lambda f=folder, lo=loader, d=dtype, a=lora, b=base_folder: _load(f, lo, d, a, b),
+                                          lora))
                     row["cells"].append(cell)
     return row
 
@@ -288,6 +325,13 @@ def _write(model, variant: str, work: Path, base_folder: Path, artifacts) -> dic
             attempt("exported folder", lambda f: export_full_folder(folders["patch repo"], f))
         else:
             folders["exported folder"] = f"no patch repo to export ({folders['patch repo']})"
+    if "output_dir" in artifacts:  # the Trainer's save_model(): the model's own save beside its checkpoints
+        def trainer_save(folder):
+            (folder / "checkpoint-1").mkdir(parents=True)
+            (folder / "checkpoint-1" / "trainer_state.json").write_text("{}")
+            model.save_pretrained(folder)
+
+        attempt("output_dir", trainer_save)
     if "re-saved folder" in artifacts:
         if isinstance(folders["hub folder"], Path):
             attempt("re-saved folder", lambda f: AutoModelForCausalLM.from_pretrained(
@@ -359,11 +403,14 @@ def render(reports: list[dict]) -> str:
              "and a parallel layer; retract p=2 on the last layer at homotopy lambda 0.5; norm_preserving with fused",
              "parallel execution where the type has that path; projected with gates and PEFT LoRA adapters). Each patch",
              "is written as a hub folder (`ht.save_hub_folder`, what `model.save_pretrained` writes), a patch repo",
-             "(`ht.save_patch`), an exported folder (`hf-tangent export`) and a folder re-saved by the model its remote",
-             "code loaded; each is loaded by plain transformers with `trust_remote_code=True` (*transformers*) and",
-             "without (*no remote code*), by `ht.from_pretrained` (*hf_tangent*) and by PEFT's",
-             "`AutoPeftModelForCausalLM` (also on a patch repo's `adapter/` folder), in float32 and, for some cells,",
-             "bfloat16. **exact**: the logits equal the patched model in memory within 1e-5 of the logit scale;",
+             "(`ht.save_patch`: a PEFT adapter folder), an exported folder (`hf-tangent export`), a folder re-saved by",
+             "the model its remote code loaded and a Trainer's output_dir (the model's save beside `checkpoint-1/`; with",
+             "LoRA, the PeftModel's save); each is loaded by plain transformers with `trust_remote_code=True`",
+             "(*transformers*) and without (*no remote code*), by `ht.from_pretrained` (*hf_tangent*) and by PEFT's",
+             "`AutoPeftModelForCausalLM` (also on a patch repo's `adapter/` folder), `PeftModel.from_pretrained(base, ...)`",
+             "and transformers' `base.load_adapter(...)`, in float32 and, for some cells, bfloat16. Not a cell: " + NO_HOOK,
+             "(PEFT gives no hook to refuse an unpatched base; docs/peft.md).",
+             "**exact**: the logits equal the patched model in memory within 1e-5 of the logit scale;",
              "**refused**: the loader raises; **wrong** (a model that loads with other logits) and **error** (a refusal",
              "where the artifact is made for that loader) must be 0. `tests/conformance.py` says more; CI runs the seed",
              "families and one MoE (" + ", ".join(SEED_TYPES) + ") on every run, in both transformers versions.", "",

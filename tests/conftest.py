@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 # Tests never reach the hub (nor does CI): fail fast instead of retrying for seconds.
@@ -251,3 +252,27 @@ def pytest_collection_modifyitems(config, items):
     passed. Only the order changes."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_triton.py")
+
+
+def as_format_2(folder):
+    """The same patch repo in format 2, as hf_tangent 0.4 wrote it: hf_tangent_patch.json (the patched config's
+    record, architecture included) + gates.safetensors (+ adapter/)."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_tangent.artifacts.patch_repo import read_record
+    from hf_tangent.core import registry
+
+    folder = Path(folder)
+    record = dict(read_record(folder), format=2)
+    record["gates"] = "gates.safetensors" if record["gates"] else None
+    if record["base"]["model_type"] in registry.supported_model_types():  # 0.4 recorded the spec it patched with
+        record["patch"] = dict(record["patch"], architecture=registry.get_spec(record["base"]["model_type"]).to_dict(),
+                               base_architecture=record["base"]["architecture"])
+    gates = load_file(folder / "adapter_model.safetensors")
+    if record["gates"]:
+        save_file({f"layer.{int(k.split('.tangent_patch')[0].rsplit('.', 1)[1])}": v for k, v in gates.items()},
+                  folder / "gates.safetensors", metadata={"format": "hf_tangent_gates"})
+    (folder / "hf_tangent_patch.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / name).unlink()
+    return folder

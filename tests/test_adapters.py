@@ -1,6 +1,7 @@
-"""Patch repos (hf_tangent/artifacts/patch_repo.py): kilobytes that point at their base, PEFT-style. Round trips in a
-fresh process against a local base folder standing in for the Hub; mismatches and damaged files
-are one clear error; PEFT's own loaders refuse the repo or read its adapters where told to."""
+"""Patch repos (hf_tangent/artifacts/patch_repo.py): kilobytes that point at their base, a PEFT adapter folder. Round
+trips in a fresh process against a local base folder standing in for the Hub; mismatches and damaged files
+are one clear error; PEFT's own loaders refuse a repo with LoRA adapters or read them where told to; the
+format hf_tangent 0.3 and 0.4 wrote (hf_tangent_patch.json + gates.safetensors) still loads."""
 
 import json
 import subprocess
@@ -9,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import as_format_2 as legacy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_tangent as ht
@@ -53,7 +55,7 @@ def test_gates_only_patch_repo_is_kilobytes_and_reloads_identically(tiny_lm_fold
     model = gated(tiny_lm_folder)
     folder = ht.save_patch(model, tmp_path / "patch", card={"results": "Delta L = -0.01 (example)"})
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["README.md", "gates.safetensors", "hf_tangent_patch.json"]
+    assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert sum(p.stat().st_size for p in folder.iterdir()) < 100_000
     record = read_record(folder)
     assert record["base"]["name_or_path"] == str(tiny_lm_folder) and record["base"]["source"] == "local"
@@ -61,6 +63,7 @@ def test_gates_only_patch_repo_is_kilobytes_and_reloads_identically(tiny_lm_fold
     assert torch.equal(fresh_process_logits(folder, tmp_path), logits(model))
     card = (folder / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: hf_tangent") and "Delta L = -0.01" in card
+    assert torch.equal(fresh_process_logits(legacy(folder), tmp_path), logits(model))  # format 2 still loads
 
 
 @pytest.mark.parametrize("kind", ["homotopy", "parallel"])
@@ -74,6 +77,9 @@ def test_homotopy_and_parallel_patches_round_trip(tiny_lm_folder, tmp_path, kind
     reloaded = ht.from_pretrained(folder)
     assert ht.get_homotopy(reloaded) == ht.get_homotopy(model)
     assert ht.get_config(reloaded).parallel_layers == ht.get_config(model).parallel_layers
+    from peft import PeftModel  # PEFT's loader sets the same homotopy
+
+    assert ht.get_homotopy(PeftModel.from_pretrained(base(tiny_lm_folder), folder)) == ht.get_homotopy(model)
 
 
 def _healed(folder):
@@ -87,7 +93,8 @@ def _healed(folder):
 def test_lora_healed_patch_repo_round_trips_and_merges(tiny_lm_folder, tmp_path):
     model = _healed(tiny_lm_folder)
     folder = ht.save_patch(model, tmp_path / "patch")
-    assert (folder / "adapter" / "adapter_config.json").is_file() and not (folder / "adapter_config.json").exists()
+    assert (folder / "adapter" / "adapter_config.json").is_file()
+    assert json.loads((folder / "adapter_config.json").read_text())["lora"] == "adapter"
     expected = logits(model)
     assert torch.equal(fresh_process_logits(folder, tmp_path), expected)
     loaded = ht.from_pretrained(folder)
@@ -97,6 +104,7 @@ def test_lora_healed_patch_repo_round_trips_and_merges(tiny_lm_folder, tmp_path)
     merged = ht.from_pretrained(folder, merge=True)
     assert type(merged).__name__ == "LlamaForCausalLM" and ht.get_config(merged).update == "norm_preserving"
     torch.testing.assert_close(logits(merged), expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fresh_process_logits(legacy(folder), tmp_path), expected)  # format 2 still loads
 
 
 def test_peft_reads_the_adapters_only_when_told_where(tiny_lm_folder, tmp_path):
@@ -106,8 +114,11 @@ def test_peft_reads_the_adapters_only_when_told_where(tiny_lm_folder, tmp_path):
 
     model = _healed(tiny_lm_folder)
     folder = ht.save_patch(model, tmp_path / "patch")
-    with pytest.raises(ValueError, match="adapter_config.json"):
+    with pytest.raises(ValueError, match=r"also holds LoRA adapters trained on the patched model \(in adapter/\).*"
+                                         r"hf_tangent.from_pretrained\(folder\)"):
         AutoPeftModelForCausalLM.from_pretrained(folder)
+    with pytest.raises(ValueError, match="also holds LoRA adapters"):
+        PeftModel.from_pretrained(base(tiny_lm_folder), folder)
     patched_base = ht.patch(base(tiny_lm_folder), ht.TangentConfig(update="norm_preserving"))
     peft = PeftModel.from_pretrained(patched_base, str(folder), subfolder="adapter")
     assert torch.equal(logits(peft), logits(model))
@@ -134,19 +145,24 @@ def test_a_bfloat16_load_of_the_same_base_matches_its_fingerprint(tiny_lm_folder
     assert next(model.parameters()).dtype == torch.bfloat16 and ht.get_config(model).gates
 
 
-def _edit(folder, change):
-    record = json.loads((folder / "hf_tangent_patch.json").read_text())
+def _edit(folder, change, name="adapter_config.json"):
+    record = json.loads((folder / name).read_text())
     change(record)
-    (folder / "hf_tangent_patch.json").write_text(json.dumps(record))
+    (folder / name).write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize("case, change, message", [
-    ("newer format", lambda r: r.update(format=3), "in patch format 3; this hf_tangent .* reads formats 1 to 2: upgrade"),
     ("no base", lambda r: r.pop("base"), r"field\(s\) \['base'\] missing"),
     ("bad base source", lambda r: r["base"].update(source="ftp"), "'base.source'='ftp'"),
-    ("bad rule", lambda r: r["patch"]["config"].update(update="tangent"), "TangentConfig.update='tangent'"),
-    ("patched layers disagree", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
-    ("gates missing from the record", lambda r: r.update(gates=None), r"gates are saved for layers \[\], the patch gates layers \[0, 1\]"),
+    ("bad rule", lambda r: r["patch"].update(update="tangent"), "TangentConfig.update='tangent'"),
+    ("unknown field", lambda r: r["patch"].update(gatez=True), r"TangentConfig: unknown keys \['gatez'\]"),
+    ("missing field", lambda r: r["patch"].pop("alpha"), r"field\(s\) \['alpha'\] missing"),
+    ("unknown top-level field", lambda r: r.update(update="retract"), r"unknown field\(s\) \['update'\]"),
+    ("newer format", lambda r: r.update(format=4), "in patch format 4; this hf_tangent .* reads formats 1 to 3"),
+    ("layer out of range", lambda r: r["patch"].update(layers=[5]),
+     "layer index 5 is out of range for a model with 2 layers"),
+    ("gates missing from the config", lambda r: r["patch"].update(gates=False),
+     r"gates are saved for layers \[0, 1\], the patch gates layers \[\]"),
 ])
 def test_damaged_records_are_one_clear_error(tiny_lm_folder, tmp_path, case, change, message):
     folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
@@ -155,13 +171,43 @@ def test_damaged_records_are_one_clear_error(tiny_lm_folder, tmp_path, case, cha
         ht.from_pretrained(folder)
 
 
-def test_damaged_files_are_one_clear_error(tiny_lm_folder, tmp_path):
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
-    (folder / "gates.safetensors").write_bytes(b"\x00" * 16)
-    with pytest.raises(PatchRepoError, match="gates.safetensors: not a readable safetensors file"):
+@pytest.mark.parametrize("case, change, message", [
+    ("newer format", lambda r: r.update(format=4), "in patch format 4; this hf_tangent .* reads formats 1 to 3: upgrade"),
+    ("no base", lambda r: r.pop("base"), r"field\(s\) \['base'\] missing"),
+    ("patched layers disagree", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
+    ("gates missing from the record", lambda r: r.update(gates=None),
+     r"gates are saved for layers \[\], the patch gates layers \[0, 1\]"),
+])
+def test_damaged_format_2_records_are_one_clear_error(tiny_lm_folder, tmp_path, case, change, message):
+    folder = legacy(ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch"))
+    _edit(folder, change, "hf_tangent_patch.json")
+    with pytest.raises(PatchRepoError, match=message):
         ht.from_pretrained(folder)
-    (folder / "hf_tangent_patch.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("files", [("adapter_model.safetensors", "adapter_config.json"),
+                                   ("gates.safetensors", "hf_tangent_patch.json")])
+def test_damaged_files_are_one_clear_error(tiny_lm_folder, tmp_path, files):
+    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    if files[0] == "gates.safetensors":
+        legacy(folder)
+    (folder / files[0]).write_bytes(b"\x00" * 16)
+    with pytest.raises(PatchRepoError, match=f"{files[0]}: not a readable safetensors file"):
+        ht.from_pretrained(folder)
+    (folder / files[1]).write_text("{not json")
     with pytest.raises(PatchRepoError, match="not a valid JSON file"):
+        ht.from_pretrained(folder)
+
+
+def test_a_gate_tensor_the_config_has_no_gate_for_is_refused(tiny_lm_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = ht.save_patch(ht.patch(base(tiny_lm_folder), ht.TangentConfig(update="projected", layers=[0])),
+                           tmp_path / "patch")
+    assert load_file(folder / "adapter_model.safetensors") == {}
+    save_file({"base_model.model.model.layers.0.tangent_patch.peft.hf_tangent_gate": torch.ones(1)},
+              folder / "adapter_model.safetensors")
+    with pytest.raises(PatchRepoError, match=r"gates are saved for layers \[0\], the patch gates layers \[\]"):
         ht.from_pretrained(folder)
 
 
@@ -226,7 +272,7 @@ def test_push_patch_uploads_the_patch_repo_and_refuses_other_folders(tiny_lm_fol
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", fake_upload_folder)
     assert ht.push_patch(gated(tiny_lm_folder), "user/tiny-patch", base_model=str(tiny_lm_folder), private=True) == "commit"
     assert calls["create"] == ("user/tiny-patch", {"private": True, "exist_ok": True})
-    assert calls["files"] == ["README.md", "gates.safetensors", "hf_tangent_patch.json"]
+    assert calls["files"] == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert calls["record"]["base"]["name_or_path"] == str(tiny_lm_folder)
-    with pytest.raises(ValueError, match=r"push_patch: .* is not a patch folder \(no hf_tangent_patch.json\)"):
+    with pytest.raises(ValueError, match=r"push_patch: .* is not a patch folder \(no adapter_config.json\)"):
         ht.push_patch(tiny_lm_folder, "user/x")

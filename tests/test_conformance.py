@@ -22,6 +22,7 @@ from conformance import (
     check_type,
     core_digest,
     kept_reports,
+    made_for,
     render,
 )
 from transformers import AutoModelForCausalLM
@@ -48,13 +49,22 @@ def test_seed_family_every_artifact_every_loader(model_type, tmp_path):
     for variant in taken:
         artifacts = {c["artifact"] for c in row["cells"] if c["variant"] == variant}
         for artifact, loader in MADE_FOR:
-            if artifact in artifacts:
+            if artifact in artifacts and made_for(artifact, loader, VARIANTS[variant][3]):
                 assert (variant, artifact, loader, "float32") in exact, (variant, artifact, loader)
     assert ("projected, gates, parallel layer 0", "hub folder", "transformers", "bfloat16") in exact
-    # the LoRA patch repo: hf_tangent loads it exactly, PEFT's own loader refuses it (and its adapter/ folder)
+    # the LoRA patch repo: hf_tangent loads it exactly, PEFT's own loaders refuse it (and its adapter/ folder)
     lora = [c for c in row["cells"] if c["variant"] == "projected, gates, LoRA" and c["artifact"] == "patch repo"]
     assert {c["loader"]: c["status"] for c in lora} == {"transformers": "refused", "no remote code": "refused",
-                                                       "hf_tangent": "exact", "PEFT": "refused"}
+                                                       "hf_tangent": "exact", "AutoPeftModel": "refused",
+                                                       "PeftModel": "refused", "load_adapter": "refused"}
+    # LoRA trained on the patched model, saved by the PeftModel as the Trainer does: no loader returns it unpatched
+    lora_run = [c for c in row["cells"] if c["variant"] == "projected, gates, LoRA" and c["artifact"] == "output_dir"]
+    assert lora_run and all(c["status"] in ("exact", "refused") for c in lora_run), lora_run
+    # without LoRA the patch repo is a PEFT adapter folder: PEFT's three loaders load it exactly
+    plain = [c for c in row["cells"] if c["variant"] == "projected, gates, parallel layer 0"
+             and c["artifact"] == "patch repo" and c["dtype"] == "float32"]
+    assert {c["loader"]: c["status"] for c in plain if c["loader"] in ("AutoPeftModel", "PeftModel", "load_adapter")} \
+        == dict.fromkeys(("AutoPeftModel", "PeftModel", "load_adapter"), "exact")
 
 
 def test_kept_matrix_is_fresh_and_holds_no_wrong_cell():

@@ -43,8 +43,8 @@ def test_push_patch_and_push_to_hub_offline(patched, tmp_path):
     offline_error(lambda: ht.push_patch(tmp_path / "patch", "user/x"), what="pushing to the Hub repo 'user/x'",
                   advice="push that folder from a machine with a network")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert sorted(p.name for p in (tmp_path / "patch").iterdir()) == ["README.md", "gates.safetensors",
-                                                                      "hf_tangent_patch.json"]
+    assert sorted(p.name for p in (tmp_path / "patch").iterdir()) == ["README.md", "adapter_config.json",
+                                                                      "adapter_model.safetensors"]
 
 
 def test_push_without_a_network(patched, monkeypatch):

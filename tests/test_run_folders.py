@@ -95,7 +95,7 @@ def test_a_command_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(
     with RunFolder(out):
         for seed in (0, 1):
             (out / "runs" / f"seed{seed}" / "patch").mkdir(parents=True)
-            (out / "runs" / f"seed{seed}" / "patch" / "hf_tangent_patch.json").write_text("{}")
+            (out / "runs" / f"seed{seed}" / "patch" / "adapter_config.json").write_text("{}")
     assert in_run_folder(command)(argparse.Namespace(output_dir=str(out))) == 0
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [MARK, "report.json", "report.md", "runs",
                                                                        "runs/seed0", "runs/seed0/patch"]
@@ -104,7 +104,7 @@ def test_a_command_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(
 def _earlier_run(folder: Path) -> dict:
     with RunFolder(folder):
         (folder / "patch").mkdir(parents=True)
-        (folder / "patch" / "hf_tangent_patch.json").write_text("{}")
+        (folder / "patch" / "adapter_config.json").write_text("{}")
         (folder / "runs" / "seed1" / "checkpoint-4").mkdir(parents=True)
         (folder / "runs" / "seed1" / "checkpoint-4" / "trainer_state.json").write_text("{}")
         (folder / "report.json").write_text('{"run": 1}')
@@ -169,9 +169,9 @@ def test_a_report_saved_into_a_folder_of_another_run_replaces_that_run(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == [MARK, "report.json", "report.md"]
     with RunFolder(folder) as own:
         (own / "patch").mkdir()
-        (own / "patch" / "hf_tangent_patch.json").write_text("{}")
+        (own / "patch" / "adapter_config.json").write_text("{}")
     _small_report(run_folder=own).save(folder)
-    assert (folder / "patch" / "hf_tangent_patch.json").is_file()
+    assert (folder / "patch" / "adapter_config.json").is_file()
 
 
 def _small_report(**kwargs) -> Report:

@@ -94,9 +94,12 @@ def test_calibration_patch_repo_is_kilobytes_and_equals_the_full_folder(calibrat
     reload gives the logits of the complete folder saved by the same run."""
     _, out = calibrated
     files = {p.name: p.stat().st_size for p in (out / "patch").iterdir()}
-    assert set(files) == {"README.md", "gates.safetensors", "hf_tangent_patch.json"} and sum(files.values()) < 100_000
-    record = json.loads((out / "patch" / "hf_tangent_patch.json").read_text())
-    assert record["base"]["name_or_path"] == str(tiny_lm_folder)
+    assert set(files) == {"README.md", "adapter_config.json", "adapter_model.safetensors"} and sum(files.values()) < 100_000
+    record = json.loads((out / "patch" / "adapter_config.json").read_text())  # a PEFT adapter folder (format 3)
+    assert (record["peft_type"], record["patch"]["update"], record["patch"]["gates"]) == ("HF_TANGENT", "add", True)
+    assert record["base"]["name_or_path"] == str(tiny_lm_folder) and record["lora"] is None
+    assert sorted(load_file(out / "patch" / "adapter_model.safetensors")) == [
+        f"base_model.model.model.layers.{i}.tangent_patch.peft.hf_tangent_gate" for i in range(2)]
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(ht.from_pretrained(out / "patch").eval()(ids).logits,

@@ -49,6 +49,10 @@ def test_wheel_carries_recipes_card_and_metric(wheel):
 
     stale = {n for n in names if n.startswith("hf_tangent/") and not source(n).is_file()}
     assert not stale, f"the wheel carries files the source does not have: {sorted(stale)}"
+    # and every module the source has: a subpackage missing from pyproject's `packages` is not installed, and
+    # `import hf_tangent` fails (hf_tangent.artifacts.adapter, the PEFT method, was missing)
+    missing = {str(p.relative_to(ROOT)) for p in (ROOT / "hf_tangent").rglob("*.py")} - names
+    assert not missing, f"the wheel lacks modules of the source: {sorted(missing)}"
 
 
 def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path):
@@ -70,7 +74,8 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
        "--save_full_model", "--use_cpu", "--output_dir", "out", cwd=work)
     patch = work / "out" / "patch"  # the default artifact: kilobytes that point at the offline base
     assert sum(p.stat().st_size for p in patch.iterdir()) < 100_000
-    assert json.loads((patch / "hf_tangent_patch.json").read_text())["base"]["name_or_path"] == "smollm2-135m"
+    record = json.loads((patch / "adapter_config.json").read_text())  # a PEFT adapter folder (format 3)
+    assert record["peft_type"] == "HF_TANGENT" and record["base"]["name_or_path"] == "smollm2-135m"
     report = json.loads((work / "out" / "report.json").read_text())
     assert report["model"] == "smollm2-135m" and report["text"]["calibration"] == "austen:calibration"
     assert [r["variant"] for r in report["update_variants"]] == ["unpatched", "projected"]

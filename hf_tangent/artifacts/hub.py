@@ -27,6 +27,7 @@ from ..core.destinations import REMOTE_GENERATED_FILES, check_destination, core_
 from ..core.patching import CONFIG_KEY, get_config, register_patched_format
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from ..core.wrappers import full_state_dict, model_class, unwrap
+from .checkpoints import OFFLINE_MODELS
 from .offline import needs_hub
 from .serialization import save_pretrained
 
@@ -147,6 +148,35 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
 register_patched_format(write_patched_format)  # what a patched model's save_pretrained writes
 
 
+def is_hub_id(name) -> bool:
+    """True when `name` may be a model card's `base_model`: a Hub model id ("org/name", or a bare "name"). A local
+    folder or file, an offline name (checkpoints.OFFLINE_MODELS: converted on this machine, no Hub repository), a
+    path-like string or an empty name is not: a card never names a local path. (A relative path that no longer
+    exists, "runs/model", reads as an id: nothing offline tells the two apart.)"""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(name, str) or not name or name in OFFLINE_MODELS or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)  # one "/" at most, no leading "/", ".", "~", no spaces or drive letters
+    except HFValidationError:
+        return False
+    return True
+
+
+def card_metadata(model, config) -> dict:
+    """The card's front matter (YAML, as huggingface_hub writes it) and the base as the card's text names it: the
+    Hub's conventions: `base_model` the base's Hub id (none for a local base), `library_name: hf_tangent`, tags
+    hf_tangent and the rule (and whatever else the model is tagged with: TRL's, the user's)."""
+    from huggingface_hub import ModelCardData
+
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    base = name if is_hub_id(name) else None
+    tags = list(dict.fromkeys(["hf_tangent", f"hf_tangent-{config.update}", *(getattr(model, "model_tags", None) or [])]))
+    data = ModelCardData(library_name="hf_tangent", base_model=base, pipeline_tag="text-generation", tags=tags)
+    return {"metadata": data.to_yaml(), "base": f"[`{base}`](https://huggingface.co/{base})" if base else "a local model"}
+
+
 def render_model_card(context: dict) -> str:
     """The model card template filled with `context` ($-placeholders; missing ones say so)."""
     template = string.Template((resources.files("hf_tangent.model_cards") / CARD_TEMPLATE).read_text(encoding="utf-8"))
@@ -177,8 +207,7 @@ def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: d
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
             _drop_remote_tokenizer_map(staging)
-        context = {
-            "base_model": str(getattr(base.config, "_name_or_path", "") or "(local model)"),
+        context = card_metadata(base, config) | {
             "model_type": base_model_type(base.config),
             "base_class": model_class(model).__name__,
             "patched_type": json.loads((staging / "config.json").read_text(encoding="utf-8"))["model_type"],

@@ -1,25 +1,24 @@
-"""Patch repos: a patch shared the way PEFT shares adapters — kilobytes that point at their base model.
+"""Patch repos: a patch shared the way PEFT shares adapters, as a PEFT adapter folder (format 3):
 
-A patch repo (a folder, or a Hub repository with the same files):
-
-    hf_tangent_patch.json      the patch record (TangentConfig, layers, parallel layers, homotopy, the
-                               architecture spec), the base model (id and revision, or a local path or
-                               an offline name, marked as such; model_type, hidden size, layer count,
-                               a weight fingerprint) and the format version
-    gates.safetensors          the FFN gates, key `layer.<i>`, float32 (1,)            (gates=True)
-    adapter/                   PEFT LoRA adapters in PEFT's own format                 (healed with LoRA)
+    adapter_config.json        TangentPeftConfig (artifacts/adapter): every TangentConfig field, the base
+                               (id and revision, or a local path or an offline name; model_type, hidden
+                               size, layer count, a weight fingerprint, the config fields that change the
+                               computation), the homotopy lambda, `lora` (the subfolder below, if any)
+    adapter_model.safetensors  the FFN gates under PEFT's keys, float32 (1,)          (gates=True)
+    adapter/                   PEFT LoRA adapters trained on the patch               (healed with LoRA)
     README.md                  a model card with Hub metadata (base_model, library_name, tags)
 
+PEFT's loaders (PeftModel, AutoPeftModelForCausalLM, load_adapter, pipeline) read it in a process that
+imported hf_tangent; they refuse one with LoRA adapters (which they would not load with it).
 `load_patch` (what `ht.from_pretrained` does with a patch repo) loads the base by id and revision,
 checks it against the record, patches it, fills the gates, sets the homotopy lambda and loads the
-adapters with PEFT. It reads JSON and safetensors only: no code from the repo runs. There is no
-`adapter_config.json` at the top of a patch repo, so PEFT's AutoPeftModelForCausalLM refuses it
-instead of returning the unpatched base with the adapters; `PeftModel.from_pretrained(patched_base,
-repo, subfolder="adapter")` reads the adapters when asked to.
+adapters with PEFT. It reads JSON and safetensors only: no code from the repo runs. It also reads the
+formats hf_tangent 0.3 and 0.4 wrote (hf_tangent_patch.json + gates.safetensors).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,22 +28,26 @@ import torch
 
 from ..core._version import __version__
 from ..core.config import TangentConfig
-from ..core.destinations import check_destination, replacing
+from ..core.destinations import ADAPTER_PEFT_TYPE, ADAPTER_RECORD_FILE, check_destination, replacing
 from ..core.discovery import decoder_layers
-from ..core.patching import CONFIG_KEY, get_config, patch, set_homotopy, tangent_layers
+from ..core.patching import CONFIG_KEY, PATCHED_BASE_NAME, get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
 from ..core.wrappers import peft_model_of, sharding_engine, unwrap
 from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
-from .hub import save_hub_folder, upload
+from .hub import is_hub_id, save_hub_folder, upload
 from .offline import hub_error, unreachable
 from .serialization import _check_record, transformers_class
 
-RECORD_FILE = "hf_tangent_patch.json"
+RECORD_FILE = "hf_tangent_patch.json"  # formats 1 and 2 (hf_tangent 0.3 to 0.4): read, no longer written
 GATES_FILE = "gates.safetensors"
+ADAPTER_CONFIG = ADAPTER_RECORD_FILE  # format 3: a PEFT adapter folder (artifacts/adapter: TangentPeftConfig)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_TYPE = ADAPTER_PEFT_TYPE
+_GATE_KEY = re.compile(r"base_model\.model\.(?P<layers>.+)\.(?P<index>\d+)\.tangent_patch\.peft\.hf_tangent_gate")
 ADAPTER_FOLDER = "adapter"
 CARD_FILE = "README.md"
-FORMAT = 2  # the patch-repo format this hf_tangent writes; it reads 1 (0.3) and 2
+FORMAT = 3  # the patch-repo format this hf_tangent writes (a PEFT adapter folder); it reads 1 (0.3), 2 and 3
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -72,22 +75,37 @@ def patch_record(model, *, base_model: str | None = None, revision: str | None =
         raise ValueError(f"hf_tangent.save_patch: the model was loaded from {name!r}, a complete patched folder, but a "
                          "patch repo points at an unpatched base, which it is loaded onto; pass base_model= (the hub id "
                          "or folder of the unpatched checkpoint), or share the complete folder (save_pretrained).")
-    text = base.config.get_text_config()
+    return {"format": FORMAT, "hf_tangent_version": __version__, "patch": getattr(base.config, CONFIG_KEY),
+            "base": base_record(model, name, revision),
+            "adapters": ADAPTER_FOLDER if lora_model_of(model) is not None else None,
+            "gates": ADAPTER_WEIGHTS if config.gates else None}
+
+
+def base_record(model, name: str, revision: str | None) -> dict:
+    """What a patch records of its base (`check_base` compares a loaded base with it): structure, a digest
+    of every weight, the config fields that change the computation."""
+    base = unwrap(model)
     try:
         weights = identity.fingerprint(model)
     except identity.BaseIdentityError as err:
         raise ValueError(f"hf_tangent.save_patch: {err}".replace(", or pass skip_base_check=True to skip the identity "
                                                                   "check", "")) from None
-    return {"format": FORMAT, "hf_tangent_version": __version__, "patch": getattr(base.config, CONFIG_KEY),
-            "base": {"name_or_path": name, "source": _base_source(name),
-                     "revision": revision or getattr(base.config, "_commit_hash", None),
-                     "model_type": base_model_type(base.config),
-                     "architecture": type(base).__name__.removeprefix(PATCHED_CLASS_PREFIX),
-                     "hidden_size": getattr(text, "hidden_size", None), "num_layers": len(decoder_layers(base)),
-                     "dtype": str(next(base.parameters()).dtype).replace("torch.", ""),
-                     "fingerprint": weights, "config": identity.computation_config(base.config)},
-            "adapters": ADAPTER_FOLDER if peft_model_of(model) is not None else None,
-            "gates": GATES_FILE if config.gates else None}
+    return {"name_or_path": name, "source": _base_source(name),
+            "revision": revision or getattr(base.config, "_commit_hash", None),
+            "model_type": base_model_type(base.config),
+            "architecture": type(base).__name__.removeprefix(PATCHED_CLASS_PREFIX),
+            "hidden_size": getattr(base.config.get_text_config(), "hidden_size", None),
+            "num_layers": len(decoder_layers(base)),
+            "dtype": str(next(base.parameters()).dtype).replace("torch.", ""),
+            "fingerprint": weights, "config": identity.computation_config(base.config)}
+
+
+def lora_model_of(model):
+    """The PEFT model around `model` whose adapters a patch repo carries in adapter/ (LoRA and the like), or None:
+    a PEFT model of the tangent adapter itself is the patch (its gates are the patch's)."""
+    peft = peft_model_of(model)
+    configs = getattr(peft, "peft_config", None) or {}
+    return None if peft is None or all(c.peft_type == PEFT_TYPE for c in configs.values()) else peft
 
 
 def _holds_patch(name: str) -> bool:
@@ -135,7 +153,7 @@ def _save_patch(model, folder, *, base_model, revision, card, name: str | None =
     check_destination(folder, protected=[base_name], writer="hf_tangent.save_patch")  # before the fingerprint's work
     gates = {c.index: c.gate.detach().float().cpu().reshape(1) for c in tangent_layers(model) if c.gate is not None}
     return write_patch_repo(folder, patch_record(model, base_model=base_model, revision=revision), gates,
-                            peft_model_of(model), card, name=name)
+                            lora_model_of(model), card, name=name)
 
 
 def _check_card(card) -> None:
@@ -163,29 +181,96 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
     _check_card(card)
     protected = [record["base"]["name_or_path"], *protected]
     with replacing(folder, protected=protected, writer="hf_tangent.save_patch") as staging:
-        if gates:
-            from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
-            tensors = {f"layer.{i}": torch.as_tensor(v, dtype=torch.float32).reshape(1).contiguous() for i, v in gates.items()}
-            save_file(tensors, str(staging / GATES_FILE), metadata={"format": "hf_tangent_gates"})
+        layers = record["patch"]["architecture"]["layers"]
+        tensors = {f"base_model.model.{layers}.{i}.tangent_patch.peft.hf_tangent_gate":
+                   torch.as_tensor(v, dtype=torch.float32).reshape(1).contiguous() for i, v in gates.items()}
+        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if peft_model is not None:
             peft_model.save_pretrained(staging / ADAPTER_FOLDER, safe_serialization=True)
             _unloadable_alone(staging / ADAPTER_FOLDER / "adapter_config.json")
-        (staging / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record), indent=2, sort_keys=True) + "\n",
+                                              encoding="utf-8")
         (staging / CARD_FILE).write_text(_card(record, card or {}, name or os.fspath(folder)), encoding="utf-8")
     return folder
 
 
+def adapter_config(record: dict) -> dict:
+    """adapter_config.json of a patch repo (format 3): what `TangentPeftConfig.to_dict()` writes for the patch."""
+    base, patch_fields = record["base"], record["patch"]
+    return {"peft_type": PEFT_TYPE, "task_type": "CAUSAL_LM", "inference_mode": True, "auto_mapping": None,
+            "base_model_name_or_path": base["name_or_path"], "revision": base.get("revision"),
+            "peft_version": _peft_version(), "format": FORMAT, "patch": patch_fields["config"], "base": base,
+            "homotopy": patch_fields.get("homotopy"), "lora": record["adapters"]}
+
+
+def _peft_version() -> str:
+    from peft import __version__ as version
+
+    return version
+
+
+def saved_tangent_config(data, where: str) -> TangentConfig:
+    """The TangentConfig of a saved patch (`to_dict()`): every field there (a missing one is refused, not
+    defaulted), none unknown, each checked as TangentConfig checks it (PatchRepoError)."""
+    if not isinstance(data, dict):
+        raise PatchRepoError(f"hf_tangent: {where} must be a JSON object of TangentConfig fields, got {data!r}.")
+    missing = sorted(({f.name for f in dataclasses.fields(TangentConfig)} | {"hf_tangent_version"}) - set(data))
+    if missing:
+        raise PatchRepoError(f"hf_tangent: {where}: field(s) {missing} missing (a saved patch holds every "
+                             "TangentConfig field).")
+    try:
+        return TangentConfig.from_dict(data, strict=True)
+    except (TypeError, ValueError) as err:
+        raise PatchRepoError(f"hf_tangent: {where}: {err}") from None
+
+
+_PEFT_FIELDS = ("peft_type", "task_type", "inference_mode", "auto_mapping", "base_model_name_or_path", "revision",
+                "peft_version")
+_ADAPTER_FIELDS = ("format", "patch", "base", "homotopy", "lora")
+
+
+def _record_of_adapter(data, where: str) -> dict:
+    """A format-3 adapter_config.json as the record the reader checks (format 2's shape)."""
+    if not isinstance(data, dict):
+        raise PatchRepoError(f"hf_tangent: {where}: must be a JSON object, got {type(data).__name__}.")
+    unknown = sorted(set(data) - {*_PEFT_FIELDS, *_ADAPTER_FIELDS})
+    missing = [k for k in ("format", "patch", "base") if k not in data]
+    if unknown or missing:
+        raise PatchRepoError(f"hf_tangent: {where}: " + "; ".join(
+            text for text in (f"unknown field(s) {unknown}" if unknown else "",
+                              f"field(s) {missing} missing" if missing else "") if text)
+                             + f"; accepted: {', '.join((*_ADAPTER_FIELDS, *_PEFT_FIELDS))}.")
+    version = data["format"]
+    if not isinstance(version, int) or isinstance(version, bool) or version < 3:
+        raise PatchRepoError(f"hf_tangent: {where}: field 'format' must be an integer >= 3, got {version!r}.")
+    for key, accepted in (("lora", (ADAPTER_FOLDER, None)), ("task_type", ("CAUSAL_LM", None)),
+                          ("inference_mode", (True, False))):
+        if not any(data.get(key) is value or type(data.get(key)) is str and data.get(key) == value for value in accepted):
+            raise PatchRepoError(f"hf_tangent: {where}: field {key!r}={data.get(key)!r}; accepted: "
+                                 + " or ".join(repr(v) if isinstance(v, str) else json.dumps(v) for v in accepted) + ".")
+    base = data["base"]
+    check_base_fields(base, where)
+    tangent = saved_tangent_config(data["patch"], f"{where}: field 'patch'")
+    try:
+        layers = {"patched_layers": list(tangent.resolve_layers(base["num_layers"])),
+                  "parallel_layers": list(tangent.resolve_parallel_layers(base["num_layers"]))}
+    except ValueError as err:
+        raise PatchRepoError(f"hf_tangent: {where}: {err}") from None
+    patch_fields = {"config": tangent.to_dict(), "model_type": base["model_type"], "num_layers": base["num_layers"],
+                    **layers, **({"homotopy": data["homotopy"]} if data.get("homotopy") is not None else {})}
+    return {"format": version, "hf_tangent_version": data["patch"].get("hf_tangent_version", "?"),
+            "patch": patch_fields, "base": base, "adapters": data.get("lora"),
+            "gates": ADAPTER_WEIGHTS if tangent.gates else None}
+
+
 CARD_SECTIONS = ("title", "training", "results", "notes")  # what card= may hold (str values)
-# adapter/adapter_config.json's base: PEFT's AutoPeftModel loads the base it names and puts the adapters on it,
-# which for a patch repo's adapters (trained on the patched model) would be the unpatched base: silently wrong.
-# A name that is no folder and no repo id makes that loader refuse, with what to do in its message.
-ADAPTER_BASE = "hf_tangent patch repo adapters: load the repo with hf_tangent.from_pretrained(repo)"
-
-
 def _unloadable_alone(config_file: Path) -> None:
+    """adapter/'s base is hf_tangent's marker, whatever the PeftModel recorded: a loader that would put the adapters
+    on the unpatched base it names refuses, with what to do in its message (patching.PATCHED_BASE_NAME)."""
     data = json.loads(config_file.read_text(encoding="utf-8"))
-    data["base_model_name_or_path"] = ADAPTER_BASE
+    data["base_model_name_or_path"] = PATCHED_BASE_NAME
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -203,14 +288,14 @@ def _base_origin(base: dict) -> str:
 def _card(record: dict, card: dict, name: str) -> str:
     base, patch_fields = record["base"], record["patch"]
     config = patch_fields["config"]
-    meta = ["---", "library_name: hf_tangent"] + ([f"base_model: {base['name_or_path']}"] if base["source"] == "hub"
-                                                  else []) + [
-        "tags:", "- hf_tangent", "- tangential-ffn", "- patch"] + (["- peft", "- lora"] if record["adapters"] else []) + ["---"]
+    meta = ["---", "library_name: hf_tangent"] + ([f"base_model: {base['name_or_path']}"] if is_hub_id(
+        base["name_or_path"]) and base["source"] == "hub" else []) + [
+        "tags:", "- hf_tangent", f"- hf_tangent-{config['update']}", "- peft"] + (["- lora"] if record["adapters"] else []) + ["---"]
     title = card.get("title", f"{config['update']} patch of {base['name_or_path']}")
     what = (f"An [hf_tangent](https://github.com/hf-tangent/hf_tangent) patch of `{base['name_or_path']}` (model_type "
             f"`{base['model_type']}`): the `{config['update']}` update rule on layers {patch_fields['patched_layers']}"
             + (f", parallel-residual layers {patch_fields['parallel_layers']}" if patch_fields["parallel_layers"] else "")
-            + (", learned FFN gates (`gates.safetensors`)" if record["gates"] else "")
+            + (", learned FFN gates" if record["gates"] else "")
             + (", LoRA adapters (PEFT format, in `adapter/`)" if record["adapters"] else "")
             + f". This repository holds the patch only; the base weights come from {_base_origin(base)}, and "
               "hf_tangent checks them (every weight and the config fields that change the computation) before "
@@ -219,8 +304,12 @@ def _card(record: dict, card: dict, name: str) -> str:
                     f'model = ht.from_pretrained("{name}")   # reads the patch, loads and checks the base, patches it',
                     "```", ""]
     if record["adapters"]:
-        lines += ["The adapters are not at the top of the repository, so PEFT's `AutoPeftModelForCausalLM`, which would "
-                  "load the base without the patch, refuses it; `merge=True` in `ht.from_pretrained` merges them.", ""]
+        lines += ["PEFT's loaders refuse this folder: they would load the base and the patch without the LoRA "
+                  "adapters, which sit in `adapter/`; `merge=True` in `ht.from_pretrained` merges them.", ""]
+    else:
+        lines += ["It is a PEFT adapter folder: in a process that imported hf_tangent, "
+                  f'`AutoPeftModelForCausalLM.from_pretrained("{name}")` and `PeftModel.from_pretrained(base, '
+                  f'"{name}")` load it too (a process without hf_tangent gets PEFT\'s `KeyError: \'HF_TANGENT\'`).', ""]
     lines += [f"`hf-tangent export --patch {name} --output FOLDER` writes a complete folder that loads without "
               "hf_tangent (`trust_remote_code=True`).", "", "## The patch", "",
               f"- update rule: `{config['update']}`" + "".join(
@@ -229,7 +318,7 @@ def _card(record: dict, card: dict, name: str) -> str:
               f"- patched layers: {patch_fields['patched_layers']}"]
     if patch_fields.get("homotopy") is not None:
         lines.append(f"- homotopy lambda: {patch_fields['homotopy']['lambda']}")
-    lines += ["", "The full record is `hf_tangent_patch.json`."]
+    lines += ["", "The full record is `adapter_config.json`."]
     for key, heading in (("training", "Training"), ("results", "Measured"), ("notes", "Notes")):
         if card.get(key):
             lines += ["", f"## {heading}", "", card[key]]
@@ -247,7 +336,7 @@ def push_patch(model, repo_id: str, *, base_model: str | None = None, revision: 
         base_model, revision, card: as `save_patch`.
         token, private, commit_message: passed to huggingface_hub.
     Returns the upload's commit info."""
-    return upload(model, repo_id, RECORD_FILE, "hf_tangent.push_patch: {folder} is not a patch folder",
+    return upload(model, repo_id, ADAPTER_CONFIG, "hf_tangent.push_patch: {folder} is not a patch folder",
                   lambda m, tmp: _save_patch(m, Path(tmp) / "patch", base_model=base_model, revision=revision, card=card,
                                              name=repo_id),
                   token=token, private=private, commit_message=commit_message)
@@ -279,21 +368,36 @@ def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None
     return found
 
 
-def is_patch_repo(path, **hub_kwargs) -> bool:
-    """True when `path` (a folder or a hub repo) holds hf_tangent_patch.json (a folder that also holds
-    a complete model is refused as ambiguous: PatchRepoError)."""
-    local = Path(str(path))
-    if local.is_dir() and (local / RECORD_FILE).exists():
-        weights = [name for name in _WEIGHT_FILES if (local / name).exists()]
-        if weights:
-            raise PatchRepoError(f"hf_tangent: {path!s} holds both a patch record ({RECORD_FILE}) and a complete model "
-                                 f"({', '.join(weights)}), so it is not clear which to load; keep one of them.")
+def _is_tangent_adapter(config_file: str | None) -> bool:
+    """adapter_config.json of this PEFT method (or damaged: read_record says how)."""
+    if config_file is None:
+        return False
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
         return True
-    if _file(path, RECORD_FILE, required=False, **hub_kwargs) is None:
+    return not isinstance(data, dict) or data.get("peft_type") == PEFT_TYPE
+
+
+def _record_file(path, **hub_kwargs) -> str | None:
+    """The file that holds a patch repo's record (format 3: adapter_config.json of peft_type HF_TANGENT;
+    1 and 2: hf_tangent_patch.json), None for anything else."""
+    adapter = _file(path, ADAPTER_CONFIG, required=False, **hub_kwargs)
+    if _is_tangent_adapter(adapter):
+        return adapter
+    return _file(path, RECORD_FILE, required=False, **hub_kwargs)
+
+
+def is_patch_repo(path, **hub_kwargs) -> bool:
+    """True when `path` (a folder or a hub repo) holds a patch record (a folder that also holds a complete
+    model is refused as ambiguous: PatchRepoError)."""
+    record = _record_file(path, **hub_kwargs)
+    if record is None:
         return False
     weights = [name for name in _WEIGHT_FILES if _file(path, name, required=False, **hub_kwargs) is not None]
     if weights:  # a Hub repo that once held a complete folder and was pushed a patch repo, or the reverse
-        raise PatchRepoError(f"hf_tangent: {path!s} holds both a patch record ({RECORD_FILE}) and a complete model "
+        raise PatchRepoError(f"hf_tangent: {path!s} holds both a patch record ({os.path.basename(record)}) and a complete model "
                              f"({', '.join(weights)}), so it is not clear which to load; keep one of them.")
     return True
 
@@ -356,13 +460,27 @@ def _check_base(fail, base, version: int) -> None:
 def read_record(path, **hub_kwargs) -> dict:
     """The checked hf_tangent_patch.json of a patch repo: every field type-checked, unknown fields
     refused (PatchRepoError naming the file and the field)."""
-    where = _file(path, RECORD_FILE, **hub_kwargs)
+    where = _record_file(path, **hub_kwargs)
+    if where is None:
+        _file(path, ADAPTER_CONFIG, **hub_kwargs)  # a hub id the Hub does not answer for: the Hub's error first
+        raise PatchRepoError(f"hf_tangent: {path!s} is not a patch repo: it holds no {ADAPTER_CONFIG} of an hf_tangent "
+                             f"adapter (peft_type {PEFT_TYPE}) and no {RECORD_FILE} (the format before).")
     try:
         with open(where, encoding="utf-8") as f:
             record = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise PatchRepoError(f"hf_tangent: {where}: not a valid JSON file ({err}).") from None
+    if where.endswith(ADAPTER_CONFIG):
+        record = _record_of_adapter(record, where)
     return check_record(record, where)
+
+
+def check_base_fields(base, where: str) -> None:
+    """The `base` of a format-3 record (adapter_config.json), checked field by field (PatchRepoError)."""
+    def fail(message):
+        raise PatchRepoError(f"hf_tangent: {where}: {message}")
+
+    _check_base(fail, base, 3)
 
 
 def check_record(record, where: str) -> dict:
@@ -395,7 +513,7 @@ def check_record(record, where: str) -> dict:
         TangentConfig.from_dict(record["patch"]["config"], strict=True)
     except ValueError as err:
         raise PatchRepoError(str(err).replace("hf_tangent.from_pretrained: ", "hf_tangent: ")) from None
-    for key, expected in (("adapters", ADAPTER_FOLDER), ("gates", GATES_FILE)):
+    for key, expected in (("adapters", ADAPTER_FOLDER), ("gates", ADAPTER_WEIGHTS if version >= 3 else GATES_FILE)):
         if record[key] not in (None, expected):
             fail(f"field '{key}'={record[key]!r}; accepted: {expected!r} or null.")
     return record
@@ -491,7 +609,8 @@ def load_patch(path: str | os.PathLike, *, base_model: str | None = None, base_r
     if "revision" in kwargs:
         hub_kwargs["revision"] = kwargs.pop("revision")  # the patch repo's revision
     record = read_record(path, **hub_kwargs)
-    gates = _read_gates(path, record, **hub_kwargs) if record["gates"] else {}
+    # format 3's weights file is read even without gates: a tensor there that fits no gate is refused
+    gates = _read_gates(path, record, **hub_kwargs) if record["gates"] or record["format"] >= 3 else {}
     if record["adapters"]:
         _adapter_files(path, hub_kwargs)  # before the base is loaded: refuse pickles early
     if base_trust_remote_code:
@@ -527,25 +646,35 @@ def load_patch(path: str | os.PathLike, *, base_model: str | None = None, base_r
 def _read_gates(path, record, **hub_kwargs) -> dict[int, torch.Tensor]:
     from safetensors import safe_open
 
-    where = _file(path, GATES_FILE, **hub_kwargs)
+    where = _file(path, ADAPTER_WEIGHTS if record["format"] >= 3 else GATES_FILE, **hub_kwargs)
     gates = {}
     try:
         with safe_open(where, framework="pt") as f:
             for key in f.keys():
-                if not key.startswith("layer.") or not key[6:].isdigit():
-                    raise PatchRepoError(f"hf_tangent: {where}: unexpected tensor {key!r}; accepted: 'layer.<index>'.")
+                index = _gate_index(key, record["format"])
+                if index is None:
+                    raise PatchRepoError(f"hf_tangent: {where}: unexpected tensor {key!r}; accepted: " + (
+                        "'base_model.model.<layers>.<index>.tangent_patch.peft.hf_tangent_gate'."
+                        if record["format"] >= 3 else "'layer.<index>'."))
                 value = f.get_tensor(key)
                 if value.shape != (1,) or not value.is_floating_point():
                     raise PatchRepoError(f"hf_tangent: {where}: tensor {key!r} must be a floating-point gate of shape "
                                          f"(1,), got {value.dtype} {tuple(value.shape)}.")
                 if not torch.isfinite(value).all():
                     raise PatchRepoError(f"hf_tangent: {where}: gate {key!r} is {value.item()}; gates must be finite.")
-                gates[int(key[6:])] = value
+                gates[index] = value
     except PatchRepoError:
         raise
     except Exception as err:  # safetensors raises its own error types for damaged files
         raise PatchRepoError(f"hf_tangent: {where}: not a readable safetensors file ({err}).") from err
     return gates
+
+
+def _gate_index(key: str, version: int) -> int | None:
+    if version >= 3:
+        match = _GATE_KEY.fullmatch(key)
+        return int(match["index"]) if match else None
+    return int(key[6:]) if key.startswith("layer.") and key[6:].isdigit() else None
 
 
 _PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".py")

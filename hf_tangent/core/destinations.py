@@ -6,7 +6,7 @@ the folder left byte-identical: `""`, `~`, the current folder and every folder a
 folder, a symlink, a mount point, a file in the way, a folder that does not allow writing, a
 protected folder (the model's own base, the source being read), a folder that holds one or lies
 inside one, and a non-empty folder that is not an hf_tangent artifact or holds entries an
-hf_tangent artifact never has (a user's files are never deleted).
+hf_tangent artifact never has (a user's files are never deleted), except a Trainer's output_dir.
 
 Every write is staged next to the target and is crash-consistent: after a kill at any point the
 target is its old content or the new one, complete. The steps, each one filesystem call:
@@ -26,6 +26,14 @@ survives (old shards, an old index, a record of the other kind, the tokenizer or
 it); each dropped file that is not part of an artifact (a tokenizer, a card, Trainer state: maybe
 written by someone else) is named in a log line.
 
+A Trainer's `output_dir` is written into, not replaced: a folder holding an entry that only the
+Trainer and TRL put there (`checkpoint-N/`, `runs/`, `completions/`, `<split>_results.json`), beside
+nothing but an artifact of ours and the files other writers put beside a model (the Trainer's card,
+state and arguments, a tokenizer). Those stay as they are (but for a file of the same name that the
+save writes: a card, a tokenizer); the earlier save's own files are removed, its record first, then
+each staged file is moved in by `os.replace`, the record last: a kill midway leaves the old save, the
+new one, or a folder without a record, which nothing loads (never a mix of two saves).
+
 Standard library only: this module ships in every patched folder's remote code.
 """
 
@@ -39,11 +47,14 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import uuid
 import warnings
 from pathlib import Path
 
-PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo (artifacts/patch_repo.py)
+PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo of formats 1-2 (artifacts/patch_repo.py)
+ADAPTER_RECORD_FILE = "adapter_config.json"  # format 3's: a PEFT adapter folder, peft_type ADAPTER_PEFT_TYPE
+ADAPTER_PEFT_TYPE = "HF_TANGENT"
 RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.json (patching.CONFIG_KEY)
 # What a patched folder carries as remote code: the modules of the core (listed, not a hand-kept list) and
 # the two files hub.py generates. hub.py copies them; transformers copies them again into its module cache.
@@ -71,7 +82,8 @@ def core_modules() -> tuple[str, ...]:
 REMOTE_CODE_MODULES = (*core_modules(), *REMOTE_GENERATED_FILES)
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.
-_ARTIFACT_FILES = {PATCH_RECORD_FILE, "gates.safetensors", "config.json", "generation_config.json",
+_ARTIFACT_FILES = {PATCH_RECORD_FILE, "gates.safetensors", ADAPTER_RECORD_FILE, "adapter_model.safetensors",
+                   "config.json", "generation_config.json",
                    "model.safetensors", "model.safetensors.index.json", ".gitattributes", *REMOTE_CODE_MODULES}
 _ARTIFACT_FOLDERS = {"adapter": {"adapter_config.json", "adapter_model.safetensors", "README.md"},
                      "__pycache__": None}  # None: any *.pyc
@@ -85,6 +97,11 @@ _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _NEIGHBOURS = {*_TOKENIZER_FILES, "README.md", "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json",
                "training_args.bin"}
 _RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")
+# What only an output_dir holds (Trainer._save_checkpoint, the tensorboard logging_dir, save_metrics; TRL's
+# completions): such a folder is written into, never replaced (module docstring).
+_OUTPUT_DIR_FOLDERS = re.compile(r"checkpoint-\d+|runs|completions")
+_OUTPUT_DIR_FILES = re.compile(r"\w+_results\.json")
+_RECORDS = ("config.json", PATCH_RECORD_FILE, ADAPTER_RECORD_FILE)  # what makes a folder load as an artifact
 _MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 # A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: those of
 # releases before 0.4 (.NAME.old-ID, .NAME.staging-ID, ID 8 hex digits) cannot be told apart from a user's
@@ -108,21 +125,33 @@ def artifact_kind(folder: str | os.PathLike) -> str | None:
         patched = False
     if patched:
         return "patched folder"
-    if (folder / PATCH_RECORD_FILE).is_file() and not any((folder / name).exists() for name in _MODEL_FILES):
+    if any((folder / name).exists() for name in _MODEL_FILES):
+        return None
+    if (folder / PATCH_RECORD_FILE).is_file():
         return "patch repo"
-    return None
+    try:
+        with open(folder / ADAPTER_RECORD_FILE, encoding="utf-8") as f:
+            data = json.load(f)
+        return "patch repo" if isinstance(data, dict) and data.get("peft_type") == ADAPTER_PEFT_TYPE else None
+    except (OSError, ValueError):
+        return None
 
 
 def _is_neighbour(name: str) -> bool:
     return name in _NEIGHBOURS or bool(_RNG_STATE.fullmatch(name))
 
 
+def _output_dir_entry(entry: Path) -> bool:
+    return bool(_OUTPUT_DIR_FOLDERS.fullmatch(entry.name) and entry.is_dir()
+                or _OUTPUT_DIR_FILES.fullmatch(entry.name) and entry.is_file())
+
+
 def foreign_entries(folder: Path, kind: str | None) -> list[str]:
     """The entries of `folder` that are neither part of an hf_tangent artifact (when it is one:
-    `kind`) nor files other writers put beside a model: what a replacement would delete."""
+    `kind`) nor files other writers put beside a model nor a Trainer output_dir's: what a save would delete."""
     foreign = []
     for entry in sorted(folder.iterdir()):
-        if _is_neighbour(entry.name) and entry.is_file():
+        if _is_neighbour(entry.name) and entry.is_file() or _output_dir_entry(entry):
             continue
         if kind is not None and entry.is_file() and not entry.is_symlink() and (
                 entry.name in _ARTIFACT_FILES or _SHARD.fullmatch(entry.name)):
@@ -210,7 +239,8 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
         if extra and kind is None:
             raise DestinationError(f"{writer}: {text!r} is a non-empty folder that hf_tangent did not write (it holds "
                                    f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); hf_tangent writes "
-                                   "into a new or empty folder, or replaces a patch repo or patched folder it wrote.")
+                                   "into a new or empty folder or a Trainer output_dir, or replaces a patch repo or "
+                                   "patched folder it wrote.")
         if extra:
             raise DestinationError(f"{writer}: {text!r} is an hf_tangent {kind} that also holds files hf_tangent does "
                                    f"not write ({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); replacing it "
@@ -279,10 +309,10 @@ def recover(folder, *, writer: str = "hf_tangent") -> None:
 @contextlib.contextmanager
 def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     """Yields an empty folder to write into; on a clean exit its content is `folder`'s, moved in as
-    the module docstring says (a new folder, an empty one, an artifact of ours: staged alike). Files
-    other writers put in a folder that is not yet an artifact (a tokenizer saved first, Trainer state)
-    are carried over, the tokenizer's only when the save writes none of its own; an artifact is
-    replaced whole. On any error `folder` is as it was."""
+    the module docstring says (a new folder, an empty one, an artifact of ours: staged alike; an
+    output_dir: written into). Files other writers put in a folder that is not yet an artifact (a
+    tokenizer saved first, Trainer state) are carried over, the tokenizer's only when the save writes
+    none of its own; an artifact is replaced whole. On any error before the move `folder` is as it was."""
     _, path = plain_target(folder, writer)  # the refusals that need no look inside, before anything moves
     stage = _LEFTOVER.fullmatch(path.name)
     if stage and stage["state"] == "staging" and int(stage["pid"]) == os.getpid() and path.is_dir() \
@@ -298,6 +328,9 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     try:
         yield staging
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
+        if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):
+            _write_into(target, staging)
+            return
         if target.is_dir():
             staging.chmod(target.stat().st_mode & 0o7777)
             own_tokenizer = any((staging / name).exists() for name in _TOKENIZER_FILES)  # never two tokenizers mixed
@@ -330,6 +363,33 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                            "ht.save_hub_folder(model, folder, tokenizer=tokenizer)).", writer, target, ", ".join(dropped))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_into(target: Path, staging: Path) -> None:
+    """Move a staged save into an output_dir (module docstring): the earlier save's files aside, its record
+    first; the new ones in (over a file of the same name), the record last; every other entry stays as it is.
+    A failure on the way puts the earlier save back as it was; the aside folder goes once the new one is in."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.earlier-save-", dir=target.parent))
+    moved: list[tuple[Path, Path]] = []  # (from, to), in order
+    try:
+        if artifact_kind(target) is not None:  # then every entry is the Trainer's, a neighbour or ours (check_destination)
+            old = [e for e in target.iterdir() if not (_output_dir_entry(e) or _is_neighbour(e.name) and e.is_file())]
+            for entry in sorted(old, key=lambda e: e.name not in _RECORDS):
+                os.replace(entry, aside / entry.name)
+                moved.append((entry, aside / entry.name))
+        for entry in sorted(staging.iterdir(), key=lambda e: e.name in _RECORDS):
+            if (target / entry.name).is_file():  # a neighbour the save writes again (a card, a tokenizer file)
+                logger.info("%s: %s is replaced by the new save's.", target, entry.name)
+                os.replace(target / entry.name, aside / entry.name)
+                moved.append((target / entry.name, aside / entry.name))
+            os.replace(entry, target / entry.name)
+            moved.append((entry, target / entry.name))
+    except BaseException:
+        for source, destination in reversed(moved):  # back where each came from
+            os.replace(destination, source)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _dropped(target: Path, staging: Path) -> list[str]:

@@ -220,6 +220,7 @@ def _snapshot(model) -> _PatchState:
 
 
 def _remove(model, state: _PatchState) -> None:
+    _unmark(model)
     for layer, child in state.children:
         child.uninstall(layer)
         if layer._modules.get(CHILD_NAME) is child:
@@ -249,6 +250,46 @@ def _apply(model, state: _PatchState) -> None:
         if not hasattr(type(model.config), BASE_TYPE_ATTR):  # a saved folder's own config class saves right already
             model.config.__class__ = _saving_config_class(type(model.config))
         vars(model)["save_pretrained"] = AtomicSave(model)  # writes never destroy (destinations.py)
+    if state.config is not None:
+        _mark(model, state.config)
+
+
+# What a patched model names as its base: transformers' `model.name_or_path` (set from the config in
+# PreTrainedModel.__init__), which PEFT writes into every adapter saved from the model (adapter_config.json's
+# base_model_name_or_path). AutoPeftModel, pipeline(model=adapter) and transformers' adapter loading load that base
+# and put the adapter on it: for an adapter trained on the patched model, the unpatched base, silently. This text is
+# no folder and no valid repo id, so they refuse it (huggingface_hub checks the id before any request) with the text
+# in their error. config._name_or_path, which savers and cards read, stays the base's.
+PATCHED_BASE_NAME = ("hf_tangent patched model: load its adapters with PeftModel.from_pretrained(hf_tangent.patch(base, "
+                     "training_cfg), folder), or save with hf_tangent.save_patch(peft_model, folder) and load with "
+                     "hf_tangent.from_pretrained(folder)")
+_PRIOR_ATTR = "_hf_tangent_prior"  # what _mark changed: name_or_path and model_tags as they were, the tags before, added
+
+
+def _mark(model, config: TangentConfig) -> None:
+    """Name the patched model PATCHED_BASE_NAME and tag it (`model_tags`, which push_to_hub's card, the Trainer's,
+    TRL's and PEFT's adapter cards read) with hf_tangent and its rule."""
+    own = vars(model)
+    tags = list(getattr(model, "model_tags", None) or [])  # a new list: a class-level one is never appended to
+    added = [tag for tag in ("hf_tangent", f"hf_tangent-{config.update}") if tag not in tags]
+    own[_PRIOR_ATTR] = ({key: (key in own, own.get(key)) for key in ("name_or_path", "model_tags")}, tags, added)
+    own["name_or_path"], own["model_tags"] = PATCHED_BASE_NAME, tags + added
+
+
+def _unmark(model) -> None:
+    """Undo _mark exactly; tags added to the model since (TRL's, push_to_hub(tags=)'s) stay."""
+    own = vars(model)
+    if _PRIOR_ATTR not in own:
+        return
+    prior, tags, added = own.pop(_PRIOR_ATTR)
+    current = own.get("model_tags") or []
+    if any(tag not in tags and tag not in added for tag in current):
+        prior["model_tags"] = (True, [tag for tag in current if tag not in added])
+    for key, (present, value) in prior.items():
+        if present:
+            own[key] = value
+        else:
+            own.pop(key, None)
 
 
 # ----------------------------------------------------------------------------- what a save writes

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import AUSTEN, VOCAB, make_tiny  # noqa: E402
+from conftest import AUSTEN, VOCAB, as_format_2, make_tiny  # noqa: E402
 
 import hf_tangent as ht  # noqa: E402
 from hf_tangent import cli  # noqa: E402
@@ -697,7 +697,8 @@ def heal_cases(tmp: Path, folder: Path):
 
 def adapters_cases(tmp: Path, folder: Path):
     """Patch repos (save_patch / from_pretrained / export_full_folder): damaged or mismatched repos are one
-    clear error; an existing folder survives a failed save."""
+    clear error, in the format save_patch writes (3) and in the one hf_tangent 0.4 wrote (2, conftest.as_format_2);
+    an existing folder survives a failed save."""
     from transformers import LlamaForCausalLM
 
     from hf_tangent.artifacts.patch_repo import export_full_folder
@@ -708,47 +709,61 @@ def adapters_cases(tmp: Path, folder: Path):
             ht.tangent_layers(model)[0].gate.fill_(0.5)
         return model
 
-    def edited(name, change):
-        target = ht.save_patch(gated(), tmp / "patches" / name)
-        record = json.loads((target / "hf_tangent_patch.json").read_text())
+    records = {3: "adapter_config.json", 2: "hf_tangent_patch.json"}  # save_patch's format; 0.4's, still read
+
+    def edited(name, change, fmt):
+        target = ht.save_patch(gated(), tmp / "patches" / f"{name} ({fmt})")
+        if fmt == 2:
+            as_format_2(target)
+        record = json.loads((target / records[fmt]).read_text())
         change(record)
-        (target / "hf_tangent_patch.json").write_text(json.dumps(record))
+        (target / records[fmt]).write_text(json.dumps(record))
         return target
+
+    def tangent(r):  # TangentConfig's fields: adapter_config.json's 'patch' (3), hf_tangent_patch.json's 'patch.config' (2)
+        return r["patch"] if "peft_type" in r else r["patch"]["config"]
 
     unpatched = LlamaForCausalLM.from_pretrained(folder).eval()
     expect_error("adapters", "save_patch of an unpatched model", lambda: ht.save_patch(unpatched, tmp / "p0"),
                  "expects a model patched", unpatched)
     expect_error("adapters", "save_patch with a model as the folder", lambda: ht.save_patch(gated(), unpatched),
                  "", kinds=(TypeError,))
-    for case, change, message in [
-            ("format 3", lambda r: r.update(format=3), "reads formats 1 to 2: upgrade"),
+    for case, change, message, *formats in [
+            ("format 4", lambda r: r.update(format=4), "reads formats 1 to 3: upgrade"),
             ("format '1'", lambda r: r.update(format="1"), "field 'format' must be an integer"),
             ("base as a string", lambda r: r.update(base="HuggingFaceTB/SmolLM2-135M"), "field 'base' must be a JSON object"),
             ("base.num_layers '2'", lambda r: r["base"].update(num_layers="2"), "field 'base.num_layers' must be an integer"),
             ("base.fingerprint 'abc'", lambda r: r["base"].update(fingerprint="abc"), "field 'base.fingerprint' must be"),
             ("base.fingerprint null", lambda r: r["base"].update(fingerprint=None), "records no fingerprint"),
             ("base.config a list", lambda r: r["base"].update(config=[]), "field 'base.config' must be a JSON object"),
-            ("alpah in the patch", lambda r: r["patch"]["config"].update(alpah=0.5), "unknown keys ['alpah']"),
+            ("alpah in the patch", lambda r: tangent(r).update(alpah=0.5), "unknown keys ['alpah']"),
             ("an unknown field", lambda r: r.update(extra=1), "unknown field(s) ['extra']"),
             ("base.source 'ftp'", lambda r: r["base"].update(source="ftp"), "accepted: 'hub', 'local', 'offline'"),
-            ("beta=2 in the patch", lambda r: r["patch"]["config"].update(beta=2.0), "TangentConfig.beta"),
-            ("gates='weights.bin'", lambda r: r.update(gates="weights.bin"), "accepted: 'gates.safetensors' or null"),
-            ("adapters='lora'", lambda r: r.update(adapters="lora"), "accepted: 'adapter' or null"),
-            ("patched_layers [0]", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config"),
+            ("beta=2 in the patch", lambda r: tangent(r).update(beta=2.0), "TangentConfig.beta"),
+            ("gates='weights.bin'", lambda r: r.update(gates="weights.bin"), "accepted: 'gates.safetensors' or null", (2,)),
+            ("gates='weights.bin'", lambda r: tangent(r).update(gates="weights.bin"), "TangentConfig.gates", (3,)),
+            ("adapters='lora'", lambda r: r.update(adapters="lora"), "accepted: 'adapter' or null", (2,)),
+            ("lora='lora'", lambda r: r.update(lora="lora"), "='lora'; accepted: 'adapter' or null", (3,)),
+            ("patched_layers [0]", lambda r: r["patch"].update(patched_layers=[0]), "disagrees with the patch's config", (2,)),
             ("num_layers 3", lambda r: r["base"].update(num_layers=3), "num_layers 3 (recorded) vs 2"),
             ("another fingerprint", lambda r: r["base"]["fingerprint"]["digests"].update(float32="0" * 64), "the weights differ"),
             ("another eps in the base config", lambda r: r["base"]["config"].update(rms_norm_eps=0.5), "rms_norm_eps")]:
-        expect_error("adapters", f"record: {case}", lambda c=case, f=change: ht.from_pretrained(edited(c, f)), message)
-    damaged = ht.save_patch(gated(), tmp / "patches" / "damaged")
-    (damaged / "gates.safetensors").write_bytes(b"\x00" * 16)
-    expect_error("adapters", "gates file of 16 zero bytes", lambda: ht.from_pretrained(damaged),
-                 "not a readable safetensors file")
+        for fmt in formats[0] if formats else (3, 2):
+            expect_error("adapters", f"record (format {fmt}): {case}",
+                         lambda c=case, f=change, v=fmt: ht.from_pretrained(edited(c, f, v)), message)
+    for fmt, weights in ((3, "adapter_model.safetensors"), (2, "gates.safetensors")):
+        damaged = ht.save_patch(gated(), tmp / "patches" / f"damaged ({fmt})")
+        if fmt == 2:
+            as_format_2(damaged)
+        (damaged / weights).write_bytes(b"\x00" * 16)
+        expect_error("adapters", f"{weights} of 16 zero bytes", lambda d=damaged: ht.from_pretrained(d),
+                     f"{weights}: not a readable safetensors file")
     expect_error("adapters", "model_class= for a patch repo", lambda: ht.from_pretrained(
         ht.save_patch(gated(), tmp / "patches" / "mc"), model_class=LlamaForCausalLM), "model_class= is not accepted")
     expect_error("adapters", "merge=True for a full folder", lambda: ht.from_pretrained(folder, merge=True),
                  "apply to patch repos")
     expect_error("adapters", "export of a folder that is not a patch repo", lambda: export_full_folder(
-        folder, tmp / "exported"), "hf_tangent_patch.json could not be read")
+        folder, tmp / "exported"), "adapter_config.json")  # the record a patch repo holds now (formats 1-2: hf_tangent_patch.json)
 
     def failed_save_leaves_the_folder():
         target = tmp / "patches" / "kept"
