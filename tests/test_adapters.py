@@ -276,3 +276,15 @@ def test_push_patch_uploads_the_patch_repo_and_refuses_other_folders(tiny_lm_fol
     assert calls["record"]["base"]["name_or_path"] == str(tiny_lm_folder)
     with pytest.raises(ValueError, match=r"push_patch: .* is not a patch folder \(no adapter_config.json\)"):
         ht.push_patch(tiny_lm_folder, "user/x")
+
+
+def test_a_model_whose_blocks_are_parallel_already_round_trips(tmp_path):
+    """Format 3 records no layer lists; compared with the config's, a GPT-NeoX patch repo with parallel_layers (its
+    blocks are parallel already: the patch records no conversion) was refused at load (the conformance matrix)."""
+    from architectures import build
+
+    model = build("gpt_neox")
+    model.save_pretrained(tmp_path / "base")
+    ht.patch(model, ht.TangentConfig(update="projected", gates=True, parallel_layers=[0]))
+    folder = ht.save_patch(model, tmp_path / "patch", base_model=str(tmp_path / "base"))
+    assert torch.equal(logits(ht.from_pretrained(folder), IDS % 64), logits(model, IDS % 64))

@@ -253,7 +253,7 @@ def _record_of_adapter(data, where: str) -> dict:
     base = data["base"]
     check_base_fields(base, where)
     tangent = saved_tangent_config(data["patch"], f"{where}: field 'patch'")
-    try:
+    try:  # the layers the config names (a parallel block of its own is recorded as not converted once patched)
         layers = {"patched_layers": list(tangent.resolve_layers(base["num_layers"])),
                   "parallel_layers": list(tangent.resolve_parallel_layers(base["num_layers"]))}
     except ValueError as err:
@@ -623,8 +623,8 @@ def load_patch(path: str | os.PathLike, *, base_model: str | None = None, base_r
     patch_fields = record["patch"]
     patch(model, TangentConfig.from_dict(patch_fields["config"], strict=True))
     applied = getattr(model.config, CONFIG_KEY)
-    for key in ("patched_layers", "parallel_layers"):
-        if sorted(applied[key]) != sorted(patch_fields[key]):
+    for key in ("patched_layers", "parallel_layers"):  # format 3 records no layer lists: the patch makes them
+        if record["format"] < 3 and sorted(applied[key]) != sorted(patch_fields[key]):
             raise PatchRepoError(f"hf_tangent: {path!s}: '{key}' {patch_fields[key]} disagrees with the patch's config "
                                  f"(= layers {applied[key]} on this base).")
     gated = [c.index for c in tangent_layers(model) if c.gate is not None]
