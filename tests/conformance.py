@@ -98,10 +98,12 @@ MADE_FOR = {  # (artifact, loader) pairs where a refusal is an error, not an all
 NO_HOOK = "LoRA output_dir through PeftModel / load_adapter onto a base the caller passes"
 
 
-def made_for(artifact: str, loader: str, lora: bool) -> bool:
+def made_for(artifact: str, loader: str, lora: bool, auto: bool = True) -> bool:
     """A refusal here is an error. With LoRA, PEFT's loaders would drop the patch or the adapters: they refuse
-    the patch repo, and every loader may refuse the output_dir (a PeftModel's adapter, trained on the patch)."""
-    if lora and (loader in PEFT_LOADERS or artifact == "output_dir"):
+    the patch repo, and every loader may refuse the output_dir (a PeftModel's adapter, trained on the patch).
+    `auto`: plain AutoModelForCausalLM loads the unpatched base (emu3_text_model has no entry), which PEFT's
+    loaders start from."""
+    if lora and (loader in PEFT_LOADERS or artifact == "output_dir") or not auto and loader in PEFT_LOADERS:
         return False
     return (artifact, loader) in MADE_FOR
 # The cells also run in bfloat16. Not LoRA: merging adapters (export) rounds W + BA to bfloat16, which the
@@ -221,14 +223,14 @@ def _load(artifact_path: Path, loader: str, dtype, lora: bool, base_folder: Path
     return models
 
 
-def _cell(ref, artifact, loader, make, lora: bool = False) -> dict:
+def _cell(ref, artifact, loader, make, lora: bool = False, auto: bool = True) -> dict:
     """One cell: exact / refused / wrong / error, with the largest difference relative to the logit scale."""
     scale = ref.abs().amax().item()
     try:
         with _quiet():
             models = make()
     except Exception as err:  # noqa: BLE001 - a refusal is an answer; whether it is allowed is below
-        status = "error" if made_for(artifact, loader, lora) else "refused"
+        status = "error" if made_for(artifact, loader, lora, auto) else "refused"
         return {"status": status, "message": _error(err)}
     worst = 0.0
     for model in models:
@@ -265,6 +267,14 @@ def check_type(model_type: str, work: Path) -> dict:
         except Exception as err:  # noqa: BLE001 - plain transformers cannot load the type in this dtype
             row["note"] += f"{tag}: the unpatched base does not load ({_error(err)}). "
             continue
+        try:
+            with _quiet():
+                AutoModelForCausalLM.from_pretrained(base_folder)
+            auto = True
+        except Exception as err:  # noqa: BLE001 - no AutoModelForCausalLM entry: PEFT's loaders cannot start
+            auto = False
+            if dtype == torch.float32:
+                row["note"] += f"AutoModelForCausalLM does not load the unpatched base ({_error(err)[:80]}). "
         for variant, (_, _, _, lora) in VARIANTS.items():
             artifacts = [a for a in (LORA_ARTIFACTS if lora else ARTIFACTS) if dtype == torch.float32 or (variant, a) in BF16]
             if not artifacts:
@@ -295,7 +305,7 @@ def check_type(model_type: str, work: Path) -> dict:
                     else:
                         cell.update(_cell(ref, artifact, loader,
                                           lambda f=folder, lo=loader, d=dtype, a=lora, b=base_folder: _load(f, lo, d, a, b),
-                                          lora))
+                                          lora, auto))
                     row["cells"].append(cell)
     return row
 

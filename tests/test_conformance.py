@@ -87,12 +87,12 @@ def test_render_counts_cells_by_loader_and_names_the_versions():
     report = {"versions": {"transformers": "9.9", "torch": "2", "peft": "1", "hf_tangent": "0"}, "seconds": 3,
               "rows": [{"type": "t", "family": "f", "note": "", "cells": [
                   {"loader": "transformers", "status": "exact"}, {"loader": "transformers", "status": "exact"},
-                  {"loader": "PEFT", "status": "refused"}, {"loader": "hf_tangent", "status": "wrong"}]},
+                  {"loader": "AutoPeftModel", "status": "refused"}, {"loader": "hf_tangent", "status": "wrong"}]},
                   {"type": "u", "family": "f", "note": "not patched", "cells": []}]}
     page = render([report])
     assert "## transformers 9.9 (torch 2, PEFT 1, hf_tangent 0)" in page and "1 types patched, 4 cells in 3 s." in page
     assert "| transformers | 2 | 0 | 0 | 0 | 0 |" in page and "| hf_tangent | 0 | 0 | 0 | 1 | 0 |" in page
-    assert "| PEFT | 0 | 1 | 0 | 0 | 0 |" in page
+    assert "| AutoPeftModel | 0 | 1 | 0 | 0 | 0 |" in page
     assert "| t | f | exact 2 |  | wrong 1 | refused 1 |  |" in page
     assert "refused at patch time, as\n[architectures.md](architectures.md) says): u." in page
 
