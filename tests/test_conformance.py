@@ -244,7 +244,7 @@ def test_save_patch_of_a_model_loaded_from_a_complete_folder(tmp_path):
             ht.save_patch(loaded, tmp_path / "refused")
         assert not (tmp_path / "refused").exists()
         repo = ht.save_patch(loaded, tmp_path / f"repo-{id(loaded)}", base_model=str(tmp_path / "base"))
-        record = json.loads((repo / "hf_tangent_patch.json").read_text())
+        record = json.loads((repo / "adapter_config.json").read_text())
         assert record["base"]["architecture"] == "GPTNeoXForCausalLM"
         assert torch.equal(_logits(ht.from_pretrained(repo)), _logits(model))
 

@@ -336,3 +336,71 @@ def test_a_refused_second_adapter_leaves_no_config(base_folder, tmp_path):
     with pytest.raises(ValueError, match="adapter 'second' refused"):
         model.load_adapter(str(folder), adapter_name="second")
     assert list(model.peft_config) == ["default"]
+
+
+# ----------------------------------------------------------------------------- the second review's defects
+def test_a_save_after_update_config_is_refused_not_the_old_rule(base_folder, tmp_path):
+    model = _adapter(base_folder, update="projected", gates=True)
+    ht.update_config(model, update="soft", beta=0.3)
+    with pytest.raises(ValueError, match=r"the patch was changed \(hf_tangent.update_config or patch\)"):
+        model.save_pretrained(tmp_path / "a")
+
+
+def test_one_config_object_makes_two_adapters(base_folder):
+    config = ht.TangentPeftConfig(update="projected", gates=True, task_type="CAUSAL_LM")
+    first, second = get_peft_model(_base(base_folder), config), get_peft_model(_base(base_folder), config)
+    with torch.no_grad():
+        assert torch.equal(first(IDS).logits, second(IDS).logits) and torch.isfinite(second(IDS).logits).all()
+
+
+def test_a_refused_load_leaves_the_callers_base_as_it_was(base_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved(base_folder, tmp_path)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file({k: torch.tensor([float("nan")]) for k in tensors}, folder / "adapter_model.safetensors")
+    base = _base(base_folder)
+    with torch.no_grad():
+        before = base(IDS).logits
+    with pytest.raises(ValueError, match="does not fit the adapter's patch"):
+        PeftModel.from_pretrained(base, folder)
+    assert ht.get_config(base) is None and "peft_config" not in vars(base)
+    with torch.no_grad():
+        assert torch.equal(base(IDS).logits, before)
+
+
+def test_transformers_adapter_switches_are_refused_or_kept_to_the_one_adapter(base_folder, tmp_path):
+    folder = _saved(base_folder, tmp_path)
+    model = _base(base_folder)
+    model.load_adapter(str(folder))
+    holder = next(m for m in model.modules() if type(m).__name__ == "GateHolder")
+    with pytest.raises(ValueError, match=r"PeftModel.disable_adapter\(\) or hf_tangent.disabled\(model\)"):
+        holder.enable_adapters(False)
+    holder.set_adapter(["default"])
+    with pytest.raises(ValueError, match="cannot be made active"):
+        holder.set_adapter("other")
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
+
+
+def test_low_cpu_mem_usage_loads(base_folder, tmp_path):
+    folder = _saved(base_folder, tmp_path)
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(_base(base_folder), folder)(IDS).logits
+        loaded = PeftModel.from_pretrained(_base(base_folder), folder, low_cpu_mem_usage=True)
+        assert torch.equal(loaded(IDS).logits, expected)
+
+
+def test_lora_on_a_tangent_peft_model_is_refused_by_save_patch(base_folder, tmp_path):
+    from peft import LoraConfig
+
+    nested = get_peft_model(_adapter(base_folder, update="projected"), LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="a PEFT model around a PEFT model"):
+        ht.save_patch(nested, tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("fields", [dict(homotopy={"lambda": 0.5, "schedul": "linear"}), dict(task_type="SEQ_CLS")])
+def test_peft_s_reader_refuses_what_ht_s_refuses(fields):
+    with pytest.raises(ValueError, match="TangentPeftConfig.(homotopy|task_type)="):
+        ht.TangentPeftConfig(update="projected", **fields)

@@ -105,7 +105,13 @@ def lora_model_of(model):
     a PEFT model of the tangent adapter itself is the patch (its gates are the patch's)."""
     peft = peft_model_of(model)
     configs = getattr(peft, "peft_config", None) or {}
-    return None if peft is None or all(c.peft_type == PEFT_TYPE for c in configs.values()) else peft
+    if peft is None or all(c.peft_type == PEFT_TYPE for c in configs.values()):
+        return None
+    if peft_model_of(peft.get_base_model()) is not None:
+        raise ValueError("hf_tangent.save_patch: a PEFT model around a PEFT model (LoRA on a tangent PeftModel); its "
+                         "adapters would not load back. Train LoRA on ht.patch(model, cfg), or merge_and_unload() the "
+                         "tangent adapter first.")
+    return peft
 
 
 def _holds_patch(name: str) -> bool:

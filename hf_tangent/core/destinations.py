@@ -386,10 +386,14 @@ def _write_into(target: Path, staging: Path) -> None:
             moved.append((entry, target / entry.name))
     except BaseException:
         for source, destination in reversed(moved):  # back where each came from
-            os.replace(destination, source)
-        raise
-    finally:
+            try:
+                os.replace(destination, source)
+            except OSError:  # the earlier save stays in the aside folder, said where
+                logger.error("%s: the earlier save could not be put back; its files are in %s.", target, aside)
+                raise
         shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)  # kept only where a roll-back failed (logged above)
 
 
 def _dropped(target: Path, staging: Path) -> list[str]:

@@ -67,9 +67,13 @@ def _post_init(self) -> None:
                              f"{FORMAT} (a newer format: upgrade hf_tangent).")
     for name in fields:  # normalised as TangentConfig normalises (tuples, p from the retraction)
         object.__setattr__(self, name, getattr(checked, name))
-    if self.homotopy is not None and not (isinstance(self.homotopy, dict) and "lambda" in self.homotopy):
+    if self.homotopy is not None and not (isinstance(self.homotopy, dict) and "lambda" in self.homotopy
+                                          and set(self.homotopy) <= {"lambda", "schedule", "steps"}):
         raise ValueError(f"TangentPeftConfig.homotopy={self.homotopy!r}; accepted: None or "
                          "{'lambda': ..., 'schedule': ..., 'steps': ...} (set_homotopy's arguments).")
+    if self.task_type not in (None, "CAUSAL_LM"):
+        raise ValueError(f"TangentPeftConfig.task_type={self.task_type!r}; accepted: 'CAUSAL_LM' or None (the patch "
+                         "applies to causal LMs).")
 
 
 def _tangent_config(self) -> TangentConfig:

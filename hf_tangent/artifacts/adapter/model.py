@@ -38,6 +38,22 @@ class GateHolder(nn.Module, BaseTunerLayer):
         self._active_adapter = adapter_name
         self.merged_adapters = []
 
+    def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if names != list(self.hf_tangent_gate):
+            raise ValueError(f"hf_tangent: a model carries one tangent adapter ({list(self.hf_tangent_gate)}); "
+                             f"{adapter_names!r} cannot be made active.")
+        self.hf_tangent_gate.requires_grad_(not inference_mode)
+
+    def enable_adapters(self, enabled: bool) -> None:
+        # turning the patch off is the model's (every layer's hooks): a holder alone cannot
+        raise ValueError("hf_tangent: switch a tangent adapter off with PeftModel.disable_adapter() or "
+                         "hf_tangent.disabled(model); transformers' enable_adapters() / disable_adapters() is not "
+                         "supported for it.")
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
+        pass  # the gate stays where the patch put it (float32); a holder has no base layer
+
 
 UNNAMED = "(unnamed model)"  # the record's base name for a model that names none (built from a config)
 
@@ -91,7 +107,7 @@ class TangentModel(BaseTuner):
             raise ValueError(f"hf_tangent: this adapter folder also holds LoRA adapters trained on the patched model "
                              f"(in {config.lora}/), which PEFT would not load with it; load the folder with "
                              "hf_tangent.from_pretrained(folder).")
-        saved = config.base is not None  # an adapter read back (its record is checked), else a new one
+        saved = config.patch is not None  # an adapter read back (its record is checked), else a new one
         if saved:
             patch_repo.check_base_fields(config.base, "adapter_config.json")
             patch_repo.check_base({"base": config.base}, model, name=_name_of(model), path="the adapter")
@@ -121,9 +137,16 @@ class TangentModel(BaseTuner):
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
         base = unwrap(model)
-        if get_config(base) is None:
+        live = get_config(base)
+        if live is None:
             raise ValueError("hf_tangent: the tangent adapter is off (inside disable_adapter(), or unloaded): a save "
                              "now would hold no gates. Save outside the disable_adapter() block.")
+        if live != config.tangent_config() or any(c.gate is not None and not isinstance(c, HeldTangentLayer)
+                                                   for c in tangent_layers(base)):
+            raise ValueError("hf_tangent: the patch was changed (hf_tangent.update_config or patch) after the tangent "
+                             "adapter was made, and an adapter saves its own config: make a new adapter "
+                             "(get_peft_model(base, TangentPeftConfig(...))), or save the patched model with "
+                             "hf_tangent.save_patch.")
         config.homotopy = (getattr(base.config, CONFIG_KEY, None) or {}).get("homotopy")  # the patch as it is now
         return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
 
@@ -131,7 +154,13 @@ class TangentModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         gated = {k for k in model.state_dict() if k.endswith(f".{GATES}.{adapter_name}")}
-        _check_gates(remapped, gated)
+        try:
+            _check_gates(remapped, gated)
+        except ValueError:  # the caller's base as it was: unpatched, no adapter config
+            base = unwrap(model)
+            unpatch(base)
+            vars(base).pop("peft_config", None)
+            raise
         return remapped
 
     # ------------------------------------------------------------------ PEFT's tuner interface
