@@ -92,7 +92,13 @@ def requirements(*extras: str) -> list[str]:
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    return project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
+
+    def expand(extra: str) -> list[str]:  # "hf_tangent[recipes]" inside an extra: that extra's requirements
+        return [x for r in project["optional-dependencies"][extra]
+                for x in ([y for e in r[len("hf_tangent["):-1].split(",") for y in expand(e)]
+                          if r.startswith("hf_tangent[") else [r])]
+
+    return project["dependencies"] + [r for e in extras for r in expand(e)]
 
 
 def requirements_after(calls: list[str], call: str) -> list[str]:

@@ -4,6 +4,7 @@ Hub folder; then load that folder with hf_tangent uninstalled."""
 
 from __future__ import annotations
 
+import email
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.wheel
@@ -53,6 +55,20 @@ def test_wheel_carries_recipes_card_and_metric(wheel):
     # `import hf_tangent` fails (hf_tangent.artifacts.adapter, the PEFT method, was missing)
     missing = {str(p.relative_to(ROOT)) for p in (ROOT / "hf_tangent").rglob("*.py")} - names
     assert not missing, f"the wheel lacks modules of the source: {sorted(missing)}"
+
+
+def test_wheel_requires_only_what_patching_and_loading_need(wheel):
+    """Issue 59: the hard requirements are what patching, saving and loading import (accelerate: peft imports it);
+    the recipes' packages come with the `recipes` extra, which `test` includes (tests/test_dependencies.py)."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [Requirement(line) for line in email.message_from_string(metadata).get_all("Requires-Dist")]
+    assert [r.name for r in requires if r.marker is None] == ["torch", "transformers", "accelerate", "peft",
+                                                               "safetensors"]
+    assert [r.name for r in requires if r.marker and r.marker.evaluate({"extra": "recipes"})] == [
+        "datasets", "gguf", "rdata", "evaluate", "matplotlib"]
+    assert [(r.name, r.extras) for r in requires if r.marker and r.marker.evaluate({"extra": "test"})][0] == (
+        "hf_tangent", {"recipes"})
 
 
 def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path):

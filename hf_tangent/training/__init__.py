@@ -7,7 +7,7 @@ import TangentTrainingArguments`, and a Trainer checkpoint's pickled training_ar
 
 
 def __getattr__(name: str):
-    if name.startswith("__") or name in ("data", "healing", "trainer"):  # the submodules: the import system's own
+    if name.startswith("__") or name in ("data", "extras", "healing", "trainer"):  # the submodules: the import system's own
         raise AttributeError(f"module 'hf_tangent.training' has no attribute {name!r}")
     from . import trainer
 

@@ -25,6 +25,7 @@ from .corpora.austen import (  # noqa: F401  (the names this module has always h
     check_text_files,
     read_r_lazyload,
 )
+from .extras import needs_recipes
 
 # Hub datasets by short name: (path, config, text column). Users with a network only.
 HUB_DATASETS = {
@@ -37,7 +38,8 @@ HUB_DATASETS = {
 def load_documents(text_files: Sequence[str] | None = None, dataset: str | None = None, *,
                    split: str = "evaluation", dataset_split: str = "test", text_column: str | None = None) -> list[str]:
     """Documents (one string each) from local files, a hub dataset, or the Austen default split."""
-    import datasets
+    with needs_recipes("loading text documents"):
+        import datasets
 
     if text_files and dataset:
         raise ValueError("pass either text files or a dataset, not both.")

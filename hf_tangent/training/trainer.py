@@ -19,6 +19,7 @@ from ..analysis.diagnostics import QUANTITIES, diagnose
 from ..core.patching import CHILD_NAME, tangent_layers
 from ..core.wrappers import full_parameters, full_value
 from ..ranges import SEED, Range, at_least, check_ranges
+from .extras import needs_recipes
 
 GATE_SUFFIX = f"{CHILD_NAME}.gate"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -26,7 +27,8 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 def lm_dataset(windows: torch.Tensor):
     """A `datasets.Dataset` of packed causal-LM examples (input_ids = labels) from (n, seq_len) windows."""
-    import datasets
+    with needs_recipes("training with the HF Trainer"):
+        import datasets
 
     rows = windows.tolist()
     return datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...artifacts.checkpoints import cache_dir
+from ..extras import needs_recipes
 
 AUSTEN_SPLITS = {
     "calibration": ("prideprejudice", "sensesensibility", "northangerabbey"),
@@ -94,7 +95,8 @@ def read_r_lazyload(stem: Path) -> dict:
     """Objects of an R lazy-load database (stem.rdx index + stem.rdb zlib blobs), via `rdata`."""
     import warnings
 
-    import rdata
+    with needs_recipes("reading the Austen novels"):
+        import rdata
 
     def parse(raw: bytes):
         with warnings.catch_warnings():  # rdata cannot tell a bare serialized object from a file
