@@ -27,7 +27,7 @@ from .commands import (
     study_report,
 )
 from .commands import eval as eval_
-from .commands.arguments import CommandError, apply_recipe
+from .commands.arguments import CommandError, apply_recipe, smoke_sizes
 from .core._version import __version__
 
 DESCRIPTION = """\
@@ -37,6 +37,7 @@ models.
 
   hf-tangent calibrate --recipe offline_default     the main job (real SmolLM2-135M, offline)
   hf-tangent <command> --help                        a command's options and their defaults
+  hf-tangent calibrate --help-all                    and every Trainer option (calibrate, finetune, heal)
 
 The commands that run an experiment take --recipe FILE.yaml (or a shipped recipe's name; options
 given on the command line win) and write report.json and report.md to their output folder. Errors
@@ -87,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args, extras = parser.parse_known_args(argv)
     if extras:  # reported by the command's own parser: `hf-tangent <command>: error: ...`
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+    try:
+        capped = smoke_sizes(args)
+    except CommandError as err:
+        subparsers[args.command].error(one_line(err))
+    if capped is not None:  # in the run's log, so that nobody takes a smoke report for a real one
+        print(f"HF_TANGENT_SMOKE=1: sizes capped ({', '.join(capped) or 'none above the smoke size'})", file=sys.stderr)
     return args
 
 

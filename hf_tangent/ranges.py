@@ -20,6 +20,7 @@ given as a numpy scalar or a Fraction is kept as a Python int / float.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 from typing import Literal
@@ -96,6 +97,7 @@ def validated(ranges: dict[str, Range] | None = None, *, empty: dict[str, str] |
             options = options_of(run)
             for name, value in bound.arguments.items():
                 if name in options:
+                    value = meant(value)
                     options[name].check(value)
                     if _has_ranges(value):
                         check_ranges(value, prefix=f"{name}.")
@@ -143,4 +145,20 @@ def check_ranges(options, *, all_types: bool | None = None, prefix: str = "") ->
     (`training_args.learning_rate=nan ...`)."""
     if all_types is None:
         all_types = getattr(type(options), "RANGES_ALL_TYPES", True)
+    for name, option in options_of(type(options)).items():
+        if all_types or option.range is not None:
+            value = getattr(options, name)
+            if meant(value) is not value:
+                setattr(options, name, meant(value))
     check_fields(options, options_of(type(options)), prefix=prefix, all_types=all_types)
+
+
+def meant(value):
+    """An enum member as its value, in a list too (`plain` would keep str(U.P), 'U.P', of a str enum member,
+    which passed the check as 'projected'); the very object when nothing changes."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if type(value) in (list, tuple):
+        items = [meant(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+    return value

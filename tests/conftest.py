@@ -236,14 +236,6 @@ def projected(x: torch.Tensor, y: torch.Tensor, layer: int | None = None, eps: f
     return y - (x * y).sum(-1, keepdim=True) / ((x * x).sum(-1, keepdim=True) + eps) * x
 
 
-def pytest_configure(config):
-    """A kept documented-commands world (HF_TANGENT_DOCS_WORLD) inside --basetemp: pytest would empty it."""
-    world, basetemp = os.environ.get("HF_TANGENT_DOCS_WORLD"), config.option.basetemp
-    if world and basetemp and Path(world).resolve().is_relative_to(Path(basetemp).resolve()):
-        raise pytest.UsageError(f"HF_TANGENT_DOCS_WORLD={world} lies inside --basetemp={basetemp}, which pytest empties "
-                                "before the run; name a --basetemp outside it (or none).")
-
-
 def pytest_collection_modifyitems(config, items):
     """The Triton kernels' tests first, while the process is young: once (a clean-clone CI run,
     2026-12-03) triton 3.9's interpreter crashed with a segfault in the custom op's dispatch on the first

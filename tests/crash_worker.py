@@ -8,8 +8,8 @@ that replaces it (faults.Steps), then for each chosen step and mode:
   that step; "raise": runs the writer with an OSError injected at that step;
 - checks what is left: the target is the old content or the new one, byte for byte (missing only
   where a kill came between renaming the old content aside and moving the new one in), and after
-  the next loader (`ht.from_pretrained`, which finishes or rolls back, logged) or the run folder's
-  next claim, it is the old or the new content, and loads with the logits of that model;
+  the next loader (`ht.from_pretrained`, which finishes or rolls back, logged), it is the old or the
+  new content, and loads with the logits of that model;
 - runs the writer again (the next writer): it is not refused, leaves the new content and no
   leftover beside the target; then puts the old content back for the next step.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -39,8 +38,6 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 import hf_tangent as ht  # noqa: E402
 from hf_tangent.core import destinations  # noqa: E402
-from hf_tangent.experiments.report import Report, register_report  # noqa: E402
-from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder  # noqa: E402
 
 IDS = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(0))
 
@@ -53,27 +50,15 @@ def snapshot(folder: Path):
 
 
 def leftovers(target: Path) -> list[str]:
-    """Hidden entries a writer of `target` may leave: beside it, and (a run folder) inside it, but for the
-    mark every run folder keeps."""
+    """Hidden entries a writer of `target` may leave: beside it, and inside it."""
     beside = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
-    inside = [p.name for p in target.iterdir() if p.name.startswith(".") and p.name != MARK] if target.is_dir() else []
+    inside = [p.name for p in target.iterdir() if p.name.startswith(".")] if target.is_dir() else []
     return beside + inside
 
 
 def logits(model) -> torch.Tensor:
     with torch.no_grad():
         return model(IDS).logits
-
-
-register_report("crash-test", lambda data: f"# crash test {data['gates']}\n",
-                lambda data, folder: [_tiny_plot(folder)])
-
-
-def _tiny_plot(folder) -> str:
-    path = os.path.join(folder, "gates.png")
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG not a real plot")
-    return path
 
 
 class Scenario:
@@ -157,42 +142,8 @@ class LoraRepo(Scenario):
         ht.save_patch(self.models[which], self.target)
 
 
-class RunFolderScenario(Scenario):
-    """An earlier run (report, plot, patch/, model/, runs/seed1/patch, a checkpoint) replaced by a run
-    that writes patch/ and its report only: the folder is one run or the other, never a mix."""
-
-    old_kind = "run"
-
-    def write(self, which):
-        if which == "old":
-            shutil.rmtree(self.target, ignore_errors=True)
-            shutil.copytree(self.pristine, self.target)
-            return
-        with RunFolder(self.target, writer="crash test"):
-            ht.save_patch(self.models["new"], self.target / "patch")
-            Report("crash-test", {"command": "crash-test", "gates": 0.5}).save(self.target)
-
-    def prepare_old(self):
-        self.pristine = self.root / "pristine"
-        Report("crash-test", {"command": "crash-test", "gates": 2.0}).save(self.pristine)
-        ht.save_patch(self.models["old"], self.pristine / "patch")
-        self.models["old"].save_pretrained(self.pristine / "model")
-        ht.save_patch(self.models["old"], self.pristine / "runs" / "seed1" / "patch")
-        (self.pristine / "checkpoint-20").mkdir()
-        (self.pristine / "checkpoint-20" / "trainer_state.json").write_text("{}")
-
-    def reset(self):
-        self.write("old")
-
-    def load(self):
-        recover_run_folder(self.target, writer="crash test")
-        return "new" if (self.target / "report.json").is_file() and "0.5" in (self.target / "report.json").read_text() \
-            else "old"
-
-
 SCENARIOS = {"patch_repo": PatchRepo, "patched_folder": PatchedFolder, "hub_folder": HubFolder,
-             "empty_folder": EmptyFolder, "new_folder": NewFolder, "lora_repo": LoraRepo,
-             "run_folder": RunFolderScenario}
+             "empty_folder": EmptyFolder, "new_folder": NewFolder, "lora_repo": LoraRepo}
 
 
 def protocol(steps: list[str], marker: str = ".hf_tangent-staging-") -> list[int]:
@@ -239,7 +190,7 @@ def walk(scenario: Scenario, chosen: list[int], mode: str, steps: list[str], sta
                     scenario.write("new")
             except OSError as err:
                 raised = err
-            if raised is not None and scenario.old_kind != "run":
+            if raised is not None:
                 if snapshot(target) != states["old"]:
                     fail(f"{where}: the write failed and the target is not its old content")
                 if leftovers(target):
@@ -250,11 +201,11 @@ def walk(scenario: Scenario, chosen: list[int], mode: str, steps: list[str], sta
                 fail(f"{where}: the writer finished instead of being killed")
             left = snapshot(target)
             if left not in (states["old"], states["new"]) and not (left is None and any(
-                    ".hf_tangent-" in name for name in leftovers(target))) and scenario.old_kind != "run":
+                    ".hf_tangent-" in name for name in leftovers(target))):
                 fail(f"{where}: the kill left a target that is neither the old nor the new content: "
                      f"{sorted(left or {})}")
         # the next reader finishes or rolls back what was left, and sees the old or the new content
-        if scenario.old_kind in ("artifact", "run"):
+        if scenario.old_kind == "artifact":
             seen = scenario.load()
         else:
             destinations.recover(target)
@@ -265,7 +216,7 @@ def walk(scenario: Scenario, chosen: list[int], mode: str, steps: list[str], sta
             fail(f"{where}: after the next reader the target is not the {seen} content: {sorted(snapshot(target) or {})}")
         if leftovers(target):
             fail(f"{where}: the next reader left {leftovers(target)}")
-        if raised is not None and seen != "old" and scenario.old_kind != "run":
+        if raised is not None and seen != "old":
             fail(f"{where}: the write raised ({raised}) but the new content is in place")
         # the next writer is not refused, and leaves the new content and nothing else
         scenario.write("new")
@@ -284,8 +235,6 @@ def run(root: Path, names: list[str], which_steps: str, modes: list[str]) -> dic
     results = {}
     for name in names:
         scenario = SCENARIOS[name](root, name, base)
-        if isinstance(scenario, RunFolderScenario):
-            scenario.prepare_old()
         scenario.reset()
         states = {"old": snapshot(scenario.target)}
         steps = count_steps(functools.partial(scenario.write, "new"))

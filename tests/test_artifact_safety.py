@@ -576,15 +576,18 @@ def test_a_wrong_architecture_dtype_or_version_is_refused(tiny_lm_folder, tmp_pa
             ht.from_pretrained(folder)
 
 
-def test_recipe_output_folders_refuse_foreign_files(tmp_path):
+def test_recipe_output_folders_take_the_users_files_beside_a_run(tmp_path):
     from hf_tangent.experiments.runs import claim_run_folder
 
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "thesis.tex").write_text("x")
-    with pytest.raises(DestinationError, match=r"holds files no hf_tangent run writes \(thesis.tex\)"):
+    (tmp_path / "mine" / "thesis.tex").write_text("x")  # the Trainer's convention: left as it is
+    assert claim_run_folder(tmp_path / "mine") == (tmp_path / "mine").resolve()
+    (tmp_path / "mine" / "report.md").symlink_to(tmp_path / "mine" / "thesis.tex")  # a run writes report.md
+    with pytest.raises(DestinationError, match=r"holds symbolic links \(report.md\) where a run writes"):
         claim_run_folder(tmp_path / "mine")
     (tmp_path / "run" / "checkpoint-20").mkdir(parents=True)
-    (tmp_path / "run" / "report.json").write_text('{"command": "calibrate"}')  # a run of a release before the mark
+    (tmp_path / "run" / "report.json").write_text("{}")  # only what runs and the Trainer write: a run folder
+    (tmp_path / "run" / "train_results.json").write_text("{}")
     assert claim_run_folder(tmp_path / "run") == (tmp_path / "run").resolve()
     assert not (tmp_path / "new").exists() and claim_run_folder(tmp_path / "new") and not (tmp_path / "new").exists()
 

@@ -1,5 +1,6 @@
 """`hf-tangent eval`: report contents against an independent perplexity, and its errors."""
 
+import dataclasses
 import json
 import math
 import re
@@ -178,8 +179,9 @@ def test_help_puts_the_recipe_model_and_output_first_and_the_trainer_last(comman
     options form the last group, the ones hf_tangent sets itself at its head."""
     out = _help([command], capsys)
     usage = out.split("\n\n", 1)[0]
-    assert usage == f"usage: hf-tangent {command} [-h] [--recipe RECIPE] [--model MODEL] [--output_dir OUTPUT_DIR] [options]" \
-        or usage.startswith(f"usage: hf-tangent {command} [-h] [--recipe RECIPE] [--model MODEL]"), usage
+    help_all = " | --help-all" if command in ("calibrate", "finetune", "heal") else ""
+    assert usage == f"usage: hf-tangent {command} [-h{help_all}] [--recipe RECIPE] [--model MODEL] [--output_dir OUTPUT_DIR] " \
+        "[options]" or usage.startswith(f"usage: hf-tangent {command} [-h{help_all}] [--recipe RECIPE] [--model MODEL]"), usage
     sections = _sections(out)
     titles = [title for title, _ in sections]
     assert titles[:3] == ["options", "the run", f"{command} options"], titles
@@ -229,3 +231,61 @@ def test_help_says_what_each_shipped_recipe_sets_and_shows_its_values(command, r
         option = chunks[next(a for a in parser._actions if a.dest == key).option_strings[0]]
         assert f"(recipe {recipe}: {value})" in option, (key, option)
         assert "(default:" not in option, option
+
+
+HELP_LINES = {"calibrate": 128, "finetune": 118, "heal": 150}  # at 80 columns; the Trainer's ~120 others: --help-all
+
+
+@pytest.mark.parametrize("command", list(cli.build_parser()[1]))
+def test_help_shows_the_commands_own_options_and_points_to_the_trainers(command, capsys, monkeypatch):
+    """`calibrate --help` was 527 lines, mostly TrainingArguments. Now --help shows every option of the command's
+    own dataclasses and, of the Trainer's, those hf_tangent or a shipped recipe sets; --help-all all of them."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = _help([command], capsys)
+    lines = out.count("\n")
+    parser = cli.build_parser()[1][command]
+    own = [f.name for kind in parser.dataclass_types if not issubclass(kind, TrainingArguments)
+           for f in dataclasses.fields(kind)]
+    flags = set(re.findall(r"^  (--?[\w-]+)", out, re.M))
+    assert {f"--{name}" for name in own} <= flags, sorted({f"--{name}" for name in own} - flags)
+    if command not in HELP_LINES:
+        assert lines <= 80 and "--help-all" not in out, lines
+        return
+    assert lines == HELP_LINES[command], lines
+    pointer = " ".join(out.split()).split("Trainer options (transformers.TrainingArguments", 1)[1]
+    assert (f"All of them: `hf-tangent {command} --help-all`, or https://huggingface.co/docs/transformers/main_classes/"
+            "trainer#transformers.TrainingArguments") in pointer
+    assert {"--max_steps", "--learning_rate", "--per_device_train_batch_size"} <= flags  # hf_tangent's, a recipe's
+    assert "--deepspeed" not in flags and "--weight_decay" not in flags
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help-all"])
+    full = capsys.readouterr().out
+    assert exit_.value.code == 0 and full.count("\n") > 400
+    every = {action.option_strings[0] for action in parser._actions if action.option_strings}
+    assert every <= set(re.findall(r"^  (--?[\w-]+)", full, re.M))  # --deepspeed, --weight_decay, ...: all
+    assert "All of them:" not in full
+    assert _help([command], capsys) == out  # the hidden options' help is back after each --help
+
+
+def test_a_hidden_trainer_option_parses_from_the_command_line_and_a_recipe(tmp_path):
+    """--help leaves the Trainer's options out; parsing takes every one of them as before."""
+    args = cli.parse_args(["calibrate", "--weight_decay", "0.1", "--bf16", "--optim", "sgd", "--learning_rate", "0.5"])
+    assert (args.weight_decay, args.bf16, args.optim, args.learning_rate) == (0.1, True, "sgd", 0.5)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("command: heal\nwarmup_steps: 3\nadam_beta2: 0.95\n")
+    args = cli.parse_args(["heal", "--recipe", str(recipe)])
+    assert (args.warmup_steps, args.adam_beta2) == (3, 0.95)
+
+
+@pytest.mark.parametrize("command", _command_names())
+def test_help_names_docs_by_url_not_by_a_file_an_installed_package_lacks(command, capsys):
+    """The help cited "math.md section 5": a wheel has no docs/. Every *.md it names is a URL of the repository's
+    docs, the report it writes, or (study-report) the page it writes."""
+    argv = [] if command is None else [command]
+    out = _help(argv, capsys)
+    for name in re.findall(r"\S*\.md\S*", out):
+        assert name.startswith("https://github.com/hf-tangent/hf_tangent/blob/main/docs/") or \
+            name.strip(",.;()") in ("report.md", "docs/studies.md"), name
+    assert "math.md section" not in out

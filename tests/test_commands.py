@@ -191,3 +191,76 @@ def test_a_refused_run_creates_no_output_folder(common, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     code, err = run(["eval", *common, "--output-dir", str(tmp_path / "file" / "sub")], capsys)
     assert_user_error(code, err, "eval", "is a file, not a folder")
+
+
+# ----------------------------------------------------------------------------- HF_TANGENT_SMOKE
+def test_smoke_caps_the_command_line_and_leaves_smaller_values(monkeypatch, capsys):
+    """The documented commands run in CI at a smoke size: HF_TANGENT_SMOKE=1 caps each size option the command has
+    (arguments.SMOKE), keeps a value already below its cap, and says so on stderr."""
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
+    args = cli.parse_args(["calibrate", "--max_steps", "60", "--seq_len", "256", "--max_windows", "1",
+                           "--learning_rate", "0.5", "--compare_updates", "projected", "add"])
+    assert (args.max_steps, args.seq_len, args.max_windows, args.train_windows) == (2, 64, 1, 6)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 1)
+    assert args.learning_rate == 0.5 and args.compare_updates == ["projected", "add"]  # not sizes
+    assert capsys.readouterr().err == (
+        "HF_TANGENT_SMOKE=1: sizes capped (max_steps 60 -> 2, seq_len 256 -> 64, train_windows 64 -> 6, "
+        "per_device_train_batch_size 8 -> 2, per_device_eval_batch_size 8 -> 2)\n")
+    args = cli.parse_args(["study", "tangential", "--scale", "cpu", "--seeds", "3", "4", "5", "--seq_len", "16"])
+    assert (args.scale, args.seeds, args.seq_len, args.max_steps) == ("smoke", [3], 16, None)  # None: the scale's
+    assert cli.parse_args(["lm-eval"]).limit == 2  # None: every item
+    assert cli.parse_args(["lm-eval", "--limit", "1"]).limit == 1
+
+
+def test_smoke_caps_a_recipe_and_says_so_where_nothing_is_capped(monkeypatch, capsys):
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
+    args = cli.parse_args(["calibrate", "--recipe", "offline_default"])
+    assert (args.max_steps, args.seq_len, args.max_windows, args.train_windows) == (2, 64, 2, 6)
+    assert len(args.compare_updates) == 9 and args.save_steps == 20
+    assert capsys.readouterr().err.startswith("HF_TANGENT_SMOKE=1: sizes capped (max_steps 60 -> 2, max_windows 16 -> 2")
+    cli.parse_args(["export", "--patch", "p", "--output", "o"])
+    assert capsys.readouterr().err == "HF_TANGENT_SMOKE=1: sizes capped (none above the smoke size)\n"
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "0")
+    assert cli.parse_args(["calibrate", "--recipe", "offline_default"]).max_steps == 60
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
+def test_smoke_refuses_another_value(monkeypatch, capsys, value):
+    monkeypatch.setenv("HF_TANGENT_SMOKE", value)
+    code, err = run(["eval"], capsys)
+    assert_user_error(code, err, "eval", f"HF_TANGENT_SMOKE={value!r} is not accepted; accepted: unset, '', 0 (full "
+                                         "size) or 1 (every size capped to a smoke run).")
+
+
+def test_smoke_table_names_options_and_reaches_the_run(common, tmp_path, capsys, monkeypatch):
+    """Every entry of SMOKE is an option of some command (a renamed option would silently stop being capped), and
+    the capped value is what runs: eval's 8 windows become 2 (report: 2 windows of 31 predicted tokens)."""
+    from hf_tangent.commands.arguments import SMOKE
+
+    options = {a.dest for p in cli.build_parser()[1].values() for a in p._actions}
+    assert set(SMOKE) <= options, sorted(set(SMOKE) - options)
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
+    argv = ["eval", *common, "--updates", "projected"]
+    argv[argv.index("--max-windows") + 1] = "8"
+    code, err = run(argv, capsys)
+    assert code == 0 and "HF_TANGENT_SMOKE=1: sizes capped (max_windows 8 -> 2)" in err
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["tokens_per_variant"] == 2 * 31
+
+
+def test_rule_tables_and_plots_take_any_row(tmp_path):
+    """The fresh-eyes review of issue 60: a NaN or huge delta NLL (an fp16 overflow) made the plot, drawn before
+    the report files, fail the whole save; a report of the unpatched model alone linked a plot never drawn; a
+    perplexity that rounds to 1e4 was printed as 10000.00."""
+    from hf_tangent.experiments.report import perplexity_text
+
+    assert [perplexity_text(p) for p in (35.174, 9999.994, 9999.996, 2926224549.558, float("nan"))] == [
+        "35.17", "9999.99", "1.00e+04", "2.93e+09", "nan"]
+    data = json.loads((DOCS / "results" / "eval_smollm2.json").read_text())
+    data["rows"][1].update(delta_nll=float("nan"), nll=float("nan"), perplexity=float("nan"))
+    data["rows"][2].update(delta_nll=1e300)
+    Report("eval", data).save(tmp_path / "odd")
+    assert (tmp_path / "odd" / "rule_deltas.png").is_file() and "| nan | nan |" in (tmp_path / "odd" / "report.md").read_text()
+    Report("eval", {**data, "rows": data["rows"][:1]}).save(tmp_path / "alone")
+    assert not (tmp_path / "alone" / "rule_deltas.png").exists()
+    assert "rule_deltas.png" not in (tmp_path / "alone" / "report.md").read_text()

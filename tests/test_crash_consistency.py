@@ -9,11 +9,11 @@ point (a process whose OpenMP pool has started cannot fork safely). After each k
 target must be the old content or the new one, byte for byte, once the next reader has run (it
 loads with the logits of that model), and the next writer must succeed and leave nothing else.
 
-By default: every rename and the first step of each other kind, for a patch repo, an empty folder and
-a run folder (killed before the step), and for a complete folder and a run folder (an error at the
-step). With -m slow: every step of every writer (patch repo, complete folder, Hub folder with a
-tokenizer, a LoRA patch repo, an empty folder, a new folder, a run folder), killed before and after
-it and failing at it."""
+By default: every rename and the first step of each other kind, for a patch repo and an empty folder
+(killed before the step), and for a complete folder (an error at the step). With -m slow: every step
+of every writer (patch repo, complete folder, Hub folder with a tokenizer, a LoRA patch repo, an empty
+folder, a new folder), killed before and after it and failing at it. (A run folder's files are each
+replaced on their own: tests/test_run_folders.py kills and fails every step of a report's save.)"""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def worker(tmp_path, scenarios, steps, modes) -> dict:
 
 
 def test_a_kill_at_each_rename_of_each_writer_leaves_the_old_or_the_new_content(tmp_path):
-    walked = worker(tmp_path, ["patch_repo", "empty_folder", "run_folder"], "renames", ["before"])
+    walked = worker(tmp_path, ["patch_repo", "empty_folder"], "renames", ["before"])
     for name, entry in walked.items():
         renames = [k for k, s in enumerate(entry["steps"], 1) if s.startswith("replace(")]
         assert set(renames) <= set(entry["tested"]["before"]), name
@@ -69,16 +69,15 @@ def test_a_kill_or_an_error_at_every_step_of_every_writer_leaves_the_old_or_the_
 @pytest.mark.filterwarnings("ignore:.*could not be removed:UserWarning")  # an rmtree made to fail: said, left for later
 def test_an_error_at_each_rename_leaves_the_old_content(tmp_path):
     """In this process (nothing forks): an OSError at each rename and the first step of each other kind of
-    a complete folder's save and of a run; a failed removal of the replaced content (warned) is
-    finished by the next writer."""
+    a complete folder's save; a failed removal of the replaced content (warned) is finished by the next writer."""
     logging.getLogger("hf_tangent").setLevel(logging.ERROR)
     try:
-        walked = crash_worker.run(tmp_path, ["patched_folder", "run_folder"], "renames", ["raise"])
+        walked = crash_worker.run(tmp_path, ["patched_folder"], "renames", ["raise"])
     except SystemExit:
         pytest.fail("the error walk failed (see the captured stderr)")
     finally:
         logging.getLogger("hf_tangent").setLevel(logging.NOTSET)
-    assert len(walked["patched_folder"]["tested"]["raise"]) >= 8 and len(walked["run_folder"]["tested"]["raise"]) >= 15
+    assert len(walked["patched_folder"]["tested"]["raise"]) >= 8
 
 
 # ----------------------------------------------------------------------------- recovery, as a user meets it

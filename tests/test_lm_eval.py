@@ -5,6 +5,7 @@ few items; nothing is downloaded."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -404,19 +405,95 @@ def test_merge_refuses_parts_of_different_measurements(tiny, tmp_path):
     loaded = json.loads((tmp_path / "nan" / "report.json").read_text())
     loaded["seconds"] += 1.0  # another process, the same numbers
     assert ht.merge_lm_eval([nan_part, Report("lm-eval", loaded)])["variants"] == ["unpatched"]
-    # the command line: never into a user's folder, never over one of its own inputs
+    # the command line: beside a user's files, which stay as they are (the Trainer's output_dir convention);
+    # never over one of its own inputs
     a.save(tmp_path / "a")
     c.save(tmp_path / "c")
     user = tmp_path / "notes"
     user.mkdir()
     (user / "notes.txt").write_text("mine", encoding="utf-8")
-    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(user)]) == 2
-    assert [p.name for p in user.iterdir()] == ["notes.txt"] and (user / "notes.txt").read_text() == "mine"
+    assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(user)]) == 0
+    assert (user / "notes.txt").read_text() == "mine" and (user / "report.json").is_file()
     before = (tmp_path / "a" / "report.json").read_bytes()
     assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "a")]) == 2
     assert (tmp_path / "a" / "report.json").read_bytes() == before
     assert cli.main(["lm-eval-merge", str(tmp_path / "a"), str(tmp_path / "c"), "--output_dir", str(tmp_path / "m")]) == 0
 
+
+
+def test_merge_checks_every_part_against_one_schema_before_reading_it(tiny, tmp_path, capsys):
+    """Issue 59's probe: a part with mistyped fields was merged as garbage (`tasks` a string, letter by letter)
+    or crashed. Each malformed part is refused, naming the file, the field, what it holds and what is
+    accepted, through the function and the command (which then writes nothing); well-formed parts read from
+    their files merge as the Report objects do."""
+    import copy
+    import math
+
+    from hf_tangent import cli
+
+    model, tokenizer, _ = tiny
+    a = ht.lm_eval(model, tokenizer, tasks=["austen_lastword"], variants=["unpatched"], limit=3, bootstrap=50)
+    c = ht.lm_eval(model, tokenizer, tasks=["austen_nextsentence"], variants=["unpatched"], limit=3, bootstrap=50)
+    a.save(tmp_path / "a")
+    c.save(tmp_path / "c")
+    from_files = ht.merge_lm_eval([str(tmp_path / "a"), str(tmp_path / "c" / "report.json")])
+    from_objects = ht.merge_lm_eval([a, c])
+    assert from_files.data == {**from_objects.data, "parts": from_files["parts"]}
+    assert [p["report"] for p in from_files["parts"]] == [str(tmp_path / "a" / "report.json"),
+                                                          str(tmp_path / "c" / "report.json")]
+    assert from_files["tasks"] == ["austen_lastword", "austen_nextsentence"]
+    assert from_files["results"]["unpatched"] == {**a["results"]["unpatched"], **c["results"]["unpatched"]}
+    text = (tmp_path / "a" / "report.json").read_text(encoding="utf-8")
+
+    def edited(change):
+        data = copy.deepcopy(a.data)
+        change(data)
+        return json.dumps(data)
+
+    acc = "results['unpatched']['austen_lastword']['acc,none']"
+    capsys.readouterr()  # lm-eval's progress bars
+    for name, written, message in [
+            ("tasks_a_string", edited(lambda d: d.update(tasks="austen_lastword")),
+             "field tasks holds 'austen_lastword' (str); accepted: a non-empty list of names (strings)"),
+            ("variants_a_number", edited(lambda d: d.update(variants=3)),
+             "field variants holds 3 (int); accepted: a non-empty list of names (strings)"),
+            ("a_task_a_number", edited(lambda d: d.update(tasks=["austen_lastword", 7])),
+             "field tasks[1] holds 7 (int); accepted: a string"),
+            ("no_variant_seconds", edited(lambda d: d.pop("variant_seconds")),
+             "field variant_seconds is missing; accepted: an object of variant -> seconds"),
+            ("infinite_accuracy", edited(lambda d: d["results"]["unpatched"]["austen_lastword"].update(
+                {"acc,none": math.inf})), f"field {acc} holds inf (float); accepted: a finite number"),
+            ("nan_accuracy", edited(lambda d: d["results"]["unpatched"]["austen_lastword"].update(
+                {"acc,none": math.nan})), f"field {acc} holds nan (float); accepted: a finite number"),
+            ("a_list", "[1, 2]", "holds a JSON list; accepted: a JSON object, the report.json of `hf-tangent lm-eval`"),
+            ("truncated", text[:len(text) // 2], "not a readable report.json"),
+            # fields that disagree with each other (the fresh-eyes review: merged, then a KeyError or a wrong report)
+            ("a_variant_without_results", edited(lambda d: d["variants"].append("retract")),
+             "field results holds ['unpatched'] (list); accepted: one entry per variant"),
+            ("a_limit_of_another_task", edited(lambda d: d.update(limit={"other": 3})),
+             "field limit holds {'other': 3} (dict); accepted: a number, null, or one per task (['austen_lastword'])"),
+            ("a_task_without_results", edited(lambda d: d["tasks"].append("ghost_task")),
+             "field results['unpatched'] holds ['austen_lastword'] (list); accepted: every task"),
+            ("a_repeated_task", edited(lambda d: d["tasks"].append("austen_lastword")),
+             "field tasks holds ['austen_lastword', 'austen_lastword'] (list); accepted: names without repeats")]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "report.json").write_text(written, encoding="utf-8")
+        where = str(bad / "report.json")
+        with pytest.raises(ValueError, match=f"^merge_lm_eval: {re.escape(where)}:? .*{re.escape(message)}"):
+            ht.merge_lm_eval([str(tmp_path / "a"), str(bad)])
+        out = tmp_path / f"merged_{name}"
+        assert cli.main(["lm-eval-merge", str(tmp_path / "c"), str(bad), "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and where in err[0] and message in err[0]
+        assert not out.exists() or all(p.name.startswith(".") for p in out.iterdir())  # a run's lock file at most
+    # a Report object: the same schema; lm-eval's NaN stderr (too few items) is a well-formed value
+    with pytest.raises(ValueError, match=re.escape("part 2 (a Report object) is malformed: field tasks holds 'austen")):
+        ht.merge_lm_eval([c, ht.Report("lm-eval", {**a.data, "tasks": "austen_lastword"})])
+    nan_stderr = copy.deepcopy(a.data)
+    nan_stderr["results"]["unpatched"]["austen_lastword"]["acc_stderr,none"] = math.nan
+    assert ht.merge_lm_eval([c, ht.Report("lm-eval", nan_stderr)])["tasks"] == ["austen_nextsentence",
+                                                                                "austen_lastword"]
 
 @pytest.fixture
 def fresh_task_index():

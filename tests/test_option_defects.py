@@ -20,7 +20,7 @@ from conftest import AUSTEN, tiny_smollm2_llama  # noqa: E402
 import hf_tangent as ht  # noqa: E402
 from hf_tangent import cli  # noqa: E402
 from hf_tangent.commands.arguments import dataclasses_of  # noqa: E402
-from hf_tangent.ranges import ChoiceError, OptionTypeError, RangeError, numeric, options_of  # noqa: E402
+from hf_tangent.ranges import ChoiceError, DType, OptionTypeError, RangeError, numeric, options_of  # noqa: E402
 
 MISSING = walk.MISSING_MODEL
 
@@ -346,3 +346,37 @@ def test_a_report_writes_numbers_of_any_kind_as_json_numbers(tmp_path):
     assert (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"]) == (8, 1.0, 10)
     assert [type(v) for v in (saved["seq_len"], saved["rows"][0]["nll"], saved["rows"][0]["tokens"])] == [int, float, int]
     assert saved["text"] == str(tmp_path / "t.txt")
+
+
+# ----------------------------------------------------------------------------- issue 59: enum members
+def test_an_enum_member_is_kept_as_its_value(tmp_path):
+    """Issue 59's probe: a str enum member passed the check (U.P == 'projected') and was kept as str(U.P), 'U.P'
+    (the recipe then refused its own 'U.P'); kept as its value now, through a recipe function (a list option
+    too) and an options dataclass, and report.json stores that value."""
+    import enum
+    import json
+
+    from hf_tangent.ranges import validated
+
+    class U(str, enum.Enum):
+        P = "projected"
+
+    class Method(str, enum.Enum):
+        FULL = "full"
+
+    D = enum.Enum("D", {"BF16": "bfloat16"}, type=str)
+
+    @validated()
+    def seen(update: str = "add", variants: list[str] = ("add",), dtype: DType = "float32"):
+        return update, variants, dtype
+
+    out = seen(update=U.P, variants=[U.P, "add"], dtype=D.BF16)
+    assert out == ("projected", ["projected", "add"], "bfloat16")
+    assert [type(v) for v in (out[0], out[1][0], out[2])] == [str, str, str]
+    settings = ht.HealSettings(method=Method.FULL)
+    assert settings.method == "full" and type(settings.method) is str
+    model, tokenizer = tiny_smollm2_llama()
+    report = ht.diagnose_layers(model, tokenizer, text=_text(), update=U.P, seq_len=16, max_windows=1, progress=False)
+    report.save(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["update"] == "projected"
+    assert ht.get_config(model) is None  # diagnose_layers undid its patch

@@ -1,29 +1,34 @@
-"""Issue 47: a run folder holds the latest run only, and a folder's tokenizer is the one saved with it.
+"""Issue 59 item 3: run folders by the Trainer's output_dir conventions (experiments/runs.py).
 
-A rerun into the same output folder leaves nothing of the earlier run that it did not write again
-(calibrate with --save_full_model, then without it: no model/ of the first run's gates beside the
-second report; heal --seeds 0 1, then --seeds 0: no runs/seed1); a run that fails gives the earlier
-run back; one stopped with a Trainer checkpoint keeps it to resume from. (The kills at every step
-of a run's claim, its writes and its commit: test_crash_consistency.py.)"""
+A recipe's output folder is new, empty, or holds only entries runs write (a user's file or a symbolic
+link is refused by name, the folder untouched); one run holds it at a time (an OS file lock: a second
+run, in a thread or another process, is refused by message; a killed holder blocks nothing); a rerun
+replaces the files it writes atomically and leaves the rest (checkpoints accumulate); nothing is parsed
+out of a file name. And issue 47's: a folder's tokenizer is the one saved with it."""
 
 from __future__ import annotations
 
 import json
-import logging
+import os
+import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from faults import Steps, count_steps, kill_at
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import hf_tangent as ht
 from hf_tangent import cli
 from hf_tangent.core.destinations import DestinationError
 from hf_tangent.experiments.report import Report
-from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder
+from hf_tangent.experiments.runs import LOCK, RunFolder, claim_run_folder
 
-# the mark every run leaves in its folder, as a run that ended leaves it (held by no process)
-ENDED = {MARK: b'{"hf_tangent": "run folder", "pid": null, "host": null}\n'}
+IN_USE = "is in use by another hf_tangent run (it holds .hf_tangent.lock there); accepted: this folder once that run " \
+         "has ended, or another folder."
 
 
 def _texts(austen_dir: Path, tmp_path: Path) -> tuple[str, str]:
@@ -40,9 +45,31 @@ def tree(folder: Path) -> dict:
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
 
 
-def test_calibrate_rerun_without_the_full_model_leaves_no_model_of_the_first_run(tiny_lm_folder, austen_dir, tmp_path):
-    """The issue's case: the second run's report describes other gates, and OUTPUT_DIR/model of the first
-    run's gates used to stay beside it (and load)."""
+def _small_report(nll: float = 1.0) -> Report:
+    """An `eval` report (a kind without plots)."""
+    rows = [{"variant": "unpatched", "nll": nll, "perplexity": 2.718, "delta_nll": 0.0, "delta_perplexity": 0.0,
+             "tokens": 10, "config": None}]
+    return Report("eval", {"command": "eval", "model": "m", "text": "t", "seq_len": 8, "windows": 1,
+                           "tokens_per_variant": 10, "seconds": 0.1, "rows": rows, "unpatched_is": "the model",
+                           "device": "cpu", "dtype": "float32", "seed": 0, "threads": 1, "torch": "x",
+                           "hf_tangent_version": "x", "python": "x", "peak_rss_gb": 0.1})
+
+
+def _earlier_run(folder: Path) -> dict:
+    """A folder an earlier run wrote: its report, a model/, runs/seed1/ and a Trainer checkpoint."""
+    _small_report(1.0).save(folder)
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text("{}")
+    (folder / "runs" / "seed1" / "checkpoint-4").mkdir(parents=True)
+    (folder / "checkpoint-2").mkdir()
+    (folder / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    return tree(folder)
+
+
+# ----------------------------------------------------------------------------- a rerun
+def test_a_calibrate_rerun_replaces_its_report_and_patch(tiny_lm_folder, austen_dir, tmp_path):
+    """The second run's report and patch replace the first's; the first run's model/, which the second does not
+    write, stays (the Trainer's convention: the folder is not cleared), and the report says which is whose."""
     out = tmp_path / "run"
     evaluation, calibration = _texts(austen_dir, tmp_path)
     common = ["calibrate", "--model", str(tiny_lm_folder), "--text-files", evaluation,
@@ -50,220 +77,180 @@ def test_calibrate_rerun_without_the_full_model_leaves_no_model_of_the_first_run
               "--train-windows", "8", "--per-device-train-batch-size", "4", "--output-dir", str(out)]
     assert cli.main([*common, "--max-steps", "3", "--learning-rate", "0.05", "--save-full-model", "true"]) == 0
     first = json.loads((out / "report.json").read_text())
-    assert (out / "model").is_dir() and first["model_folder"]
+    model = tree(out / "model")
     assert cli.main([*common, "--max-steps", "2", "--learning-rate", "0.01"]) == 0
     second = json.loads((out / "report.json").read_text())
     assert second["gates"] != first["gates"] and "model_folder" not in second
-    assert sorted(p.name for p in out.iterdir()) == [MARK, "gate_profile.png", "loss_curve.png", "patch",
+    assert sorted(p.name for p in out.iterdir()) == [LOCK, "gate_profile.png", "loss_curve.png", "model", "patch",
                                                     "report.json", "report.md"]
+    assert tree(out / "model") == model
     card = (out / "patch" / "README.md").read_text()  # the kept patch repo says what made it
     assert f"hf_tangent {ht.__version__}, torch {torch.__version__}" in card
     assert f"Starting weights: blake2b {second['weights']['digest'][:16]}" in card
-    patched = ht.from_pretrained(out / "patch")  # the patch left is the second run's, as its report says
+    patched = ht.from_pretrained(out / "patch")  # the patch is the second run's, as its report says
     assert {str(c.index): pytest.approx(c.gate.item(), abs=1e-6) for c in ht.tangent_layers(patched)} == second["gates"]
 
 
-@pytest.mark.slow  # three heal runs (about 30 s); test_a_command_rerun_with_fewer_seeds... covers the folder's part
-def test_heal_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(tiny_lm_folder, austen_dir, tmp_path):
-    out = tmp_path / "heal"
-    evaluation, calibration = _texts(austen_dir, tmp_path)
-    common = ["heal", "--model", str(tiny_lm_folder), "--text-files", evaluation,
-              "--calibration-files", calibration, "--seq-len", "32", "--max-windows", "2",
-              "--train-windows", "4", "--max-steps", "1", "--per-device-train-batch-size", "4", "--update", "projected",
-              "--lora-r", "2", "--save-models", "true", "--output-dir", str(out)]
-    assert cli.main([*common, "--seeds", "0", "1"]) == 0
-    assert (out / "runs" / "seed1" / "patch").is_dir()
-    assert cli.main([*common, "--seeds", "0"]) == 0
-    report = json.loads((out / "report.json").read_text())
-    assert report["seeds"] == [0] and sorted(p.name for p in (out / "runs").iterdir()) == ["seed0"]
-    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [MARK]
-
-
-def test_a_command_rerun_with_fewer_seeds_leaves_no_folder_of_the_earlier_seeds(tmp_path):
-    """What every command runs in (experiments.runs.in_run_folder): a command that writes runs/seed0 and
-    its report into a folder where the earlier run wrote runs/seed0 and runs/seed1."""
-    import argparse
-
-    from hf_tangent.experiments.runs import in_run_folder
-
-    def command(args):
-        (Path(args.output_dir) / "runs" / "seed0" / "patch").mkdir(parents=True)
-        _small_report().save(args.output_dir)
-        return 0
-
-    out = tmp_path / "heal"
-    with RunFolder(out):
-        for seed in (0, 1):
-            (out / "runs" / f"seed{seed}" / "patch").mkdir(parents=True)
-            (out / "runs" / f"seed{seed}" / "patch" / "adapter_config.json").write_text("{}")
-    assert in_run_folder(command)(argparse.Namespace(output_dir=str(out))) == 0
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [MARK, "report.json", "report.md", "runs",
-                                                                       "runs/seed0", "runs/seed0/patch"]
-
-
-def _earlier_run(folder: Path) -> dict:
-    with RunFolder(folder):
-        (folder / "patch").mkdir(parents=True)
-        (folder / "patch" / "adapter_config.json").write_text("{}")
-        (folder / "runs" / "seed1" / "checkpoint-4").mkdir(parents=True)
-        (folder / "runs" / "seed1" / "checkpoint-4" / "trainer_state.json").write_text("{}")
-        (folder / "report.json").write_text('{"run": 1}')
-        (folder / "old_plot.png").write_bytes(b"png")
-    return tree(folder)
-
-
-def test_a_run_replaces_the_earlier_run_whole_and_a_failed_one_gives_it_back(tmp_path):
+def test_a_rerun_replaces_the_files_it_writes_by_rename_and_leaves_the_rest(tmp_path):
     folder = tmp_path / "run"
     before = _earlier_run(folder)
-    with pytest.raises(RuntimeError, match="the run failed"), RunFolder(folder):
-        assert not [p for p in folder.iterdir() if not p.name.startswith(".")]  # the earlier run is aside
-        (folder / "patch").mkdir()
-        (folder / "patch" / "partial").write_text("x")
-        raise RuntimeError("the run failed")
-    assert tree(folder) == before  # given back, byte for byte, and nothing of the failed run
-    with RunFolder(folder):
-        (folder / "report.json").write_text('{"run": 2}')
-    assert tree(folder) == {**ENDED, "report.json": b'{"run": 2}'}
+    with Steps() as steps:
+        _small_report(2.0).save(folder)
+    after = tree(folder)
+    assert json.loads(after["report.json"])["rows"][0]["nll"] == 2.0 and after["report.md"] != before["report.md"]
+    assert {k: v for k, v in after.items() if not k.startswith("report.")} == {
+        k: v for k, v in before.items() if not k.startswith("report.")}  # checkpoints, model/, runs/ as they were
+    # report.md and report.json are never opened in place: each is written under a temporary name and renamed over
+    assert not [s for s in steps.log if s in (f"open({folder}/report.json)", f"open({folder}/report.md)")]
+    renames = [s for s in steps.log if s.startswith("replace(")]
+    assert len(renames) == 2 and [s for s in steps.log if s.startswith("open(")] == [
+        r.replace("replace(", "open(") for r in renames]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [LOCK]
 
 
-def _stopped_after_a_checkpoint(folder, caplog):
-    """A rerun into `folder` stopped by Ctrl-C after its first checkpoint (logged into caplog)."""
-    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
-        with pytest.raises(KeyboardInterrupt), RunFolder(folder):
-            (folder / "checkpoint-2").mkdir()
-            (folder / "checkpoint-2" / "trainer_state.json").write_text("{}")
-            raise KeyboardInterrupt
+def _hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
-def test_a_stopped_run_keeps_its_checkpoint_and_a_resumed_run_continues_it(tmp_path, caplog):
-    """Ctrl-C after a checkpoint: the checkpoint stays for --resume_from_checkpoint (logged); a resumed
-    run keeps it (the earlier run's files stay aside until it ends); a run that does not resume
-    rolls the stopped one back and replaces the earlier run."""
+def test_an_error_at_each_step_of_a_report_save_leaves_the_earlier_report_and_no_temporary_file(tmp_path):
+    """An OSError at each step: report.json is the earlier one and no temporary file is left; a failed removal of
+    the empty scratch folder (rmtree(ignore_errors=True) swallows it) leaves it to the folder's next run."""
     folder = tmp_path / "run"
     before = _earlier_run(folder)
-    _stopped_after_a_checkpoint(folder, caplog)
-    assert "--resume_from_checkpoint last continues it" in caplog.text
-    assert (folder / "checkpoint-2" / "trainer_state.json").is_file() and not (folder / "report.json").exists()
-    with RunFolder(folder, resume=True):
-        assert (folder / "checkpoint-2").is_dir() and not (folder / "patch").exists()
-        (folder / "report.json").write_text('{"run": 2}')
-    assert tree(folder) == {**ENDED, "checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}",
-                            "report.json": b'{"run": 2}'}
-    # stopped again, then a fresh run (no resume): the stopped run is rolled back, the earlier one replaced
-    with pytest.raises(KeyboardInterrupt), RunFolder(folder):
-        (folder / "checkpoint-9").mkdir()
-        (folder / "checkpoint-9" / "trainer_state.json").write_text("{}")
-        raise KeyboardInterrupt
-    assert recover_run_folder(folder) is None and tree(folder) == {
-        **ENDED, "checkpoint-2": None, "checkpoint-2/trainer_state.json": b"{}", "report.json": b'{"run": 2}'}
-    assert tree(folder) != before
+    new = tree(_small_report(2.0).save(tmp_path / "new"))
+    steps = count_steps(lambda: _small_report(2.0).save(folder))
+    raised = []
+    for n in range(1, len(steps) + 1):
+        _small_report(1.0).save(folder)
+        try:
+            with Steps(fail=n):
+                _small_report(2.0).save(folder)
+        except OSError as err:
+            assert f"injected failure at step {n}:" in str(err)
+            raised.append(steps[n - 1].split("(")[0])
+            assert tree(folder)["report.json"] == before["report.json"] and _hidden(folder) == [LOCK], steps[n - 1]
+        else:
+            assert tree(folder)["report.json"] == new["report.json"]
+        with RunFolder(folder):
+            assert _hidden(folder) == [LOCK]
+    assert [name for name in raised if name in ("open", "replace")] == ["open", "replace"] * 2  # each write raised
 
 
-def test_a_report_saved_into_a_folder_of_another_run_replaces_that_run(tmp_path):
-    """Report.save into an earlier run's folder is a run of its own: the earlier run's patch, runs and
-    plots go (never a loadable artifact the report does not describe); into its own run's folder it
-    keeps that run's files."""
+def test_a_kill_at_each_step_of_a_report_save_leaves_a_folder_the_next_run_takes(tmp_path):
+    """SIGKILL before each step (a forked child): report.json is the old or the new one, never missing or
+    partial; the dead child's lock blocks nothing, and the next run removes the temporary file it left."""
     folder = tmp_path / "run"
-    _earlier_run(folder)
-    _small_report().save(folder)
-    assert sorted(p.name for p in folder.iterdir()) == [MARK, "report.json", "report.md"]
-    with RunFolder(folder) as own:
-        (own / "patch").mkdir()
-        (own / "patch" / "adapter_config.json").write_text("{}")
-    _small_report(run_folder=own).save(folder)
-    assert (folder / "patch" / "adapter_config.json").is_file()
+    before = _earlier_run(folder)
+    new = tree(_small_report(2.0).save(tmp_path / "new"))
+    for n in range(1, len(count_steps(lambda: _small_report(2.0).save(tmp_path / "count"))) + 1):
+        assert kill_at(lambda: _small_report(2.0).save(folder), n) == "killed"
+        assert tree(folder)["report.json"] in (before["report.json"], new["report.json"])
+        with RunFolder(folder):
+            assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [LOCK]
+        _small_report(1.0).save(folder)
+        assert tree(folder) == before
 
 
-def _small_report(**kwargs) -> Report:
-    """An `eval` report (a kind without plots)."""
-    rows = [{"variant": "unpatched", "nll": 1.0, "perplexity": 2.718, "delta_nll": 0.0, "delta_perplexity": 0.0,
-             "tokens": 10, "config": None}]
-    return Report("eval", {"command": "eval", "model": "m", "text": "t", "seq_len": 8, "windows": 1,
-                           "tokens_per_variant": 10, "seconds": 0.1, "rows": rows, "unpatched_is": "the model",
-                           "device": "cpu", "dtype": "float32", "seed": 0, "threads": 1, "torch": "x",
-                           "hf_tangent_version": "x", "python": "x", "peak_rss_gb": 0.1}, **kwargs)
+def test_a_killed_patch_save_in_a_run_folder_is_finished_by_the_next_save(tiny_lm_folder, tmp_path):
+    """A kill between the staged write's renames (core/destinations.py) leaves .patch.hf_tangent-ready-...; the
+    folder is still a run's, and the next save_patch into it moves the new content in."""
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    model = ht.patch(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), ht.TangentConfig(update="projected"))
+    folder = tmp_path / "run"
+    ht.save_patch(model, tmp_path / "ready")
+    folder.mkdir()
+    os.rename(tmp_path / "ready", folder / f".patch.hf_tangent-ready-{dead}-0123abcd")
+    with RunFolder(folder):
+        ht.save_patch(model, folder / "patch")
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK, "patch"]
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder_it_created(tmp_path):
+    with pytest.raises(RuntimeError, match="refused"), RunFolder(tmp_path / "new" / "out"):
+        assert _hidden(tmp_path / "new" / "out") == [LOCK]
+        raise RuntimeError("refused")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()  # the folder was there: it stays, and so does a file the failed run wrote
+    with pytest.raises(RuntimeError, match="refused"), RunFolder(tmp_path / "kept"):
+        raise RuntimeError("refused")
+    assert (tmp_path / "kept").is_dir()
+    with pytest.raises(RuntimeError, match="failed"), RunFolder(tmp_path / "wrote"):
+        (tmp_path / "wrote" / "checkpoint-1").mkdir()
+        raise RuntimeError("failed")
+    assert sorted(p.name for p in (tmp_path / "wrote").iterdir()) == [LOCK, "checkpoint-1"]
 
 
 # ----------------------------------------------------------------------------- whose folder it is
-def _users_folder(folder: Path) -> dict:
-    """Files of the user's that merely have a run's names (review of issue 47, finding 1)."""
+def test_a_users_files_beside_a_run_are_left_as_they_are(tiny_lm_folder, tmp_path, capsys):
+    """The Trainer's output_dir convention, and the habit `hf-tangent eval --output-dir out > out/log` (the shell
+    creates out/log first; it was refused): the run writes its entries beside the user's, which do not change."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "checkpoint-3").mkdir()
+    (folder / "thesis.tex").write_text("mine")
+    (folder / "notes").mkdir()
+    (folder / "log").write_text("")
+    before = tree(folder)
+    _small_report().save(folder)
+    assert cli.main(["eval", "--model", str(tiny_lm_folder), "--output-dir", str(folder), "--max-windows", "1",
+                     "--seq-len", "16"]) == 0
+    assert {k: v for k, v in tree(folder).items() if k in before} == before
+    assert json.loads((folder / "report.json").read_text())["command"] == "eval"
+    assert not (tmp_path / "new").exists() and claim_run_folder(tmp_path / "new") and not (tmp_path / "new").exists()
+
+
+def test_a_users_files_with_a_runs_names_are_left_as_they_are(tmp_path):
+    """A README.md and a model/ of the user's: a report is written beside them, and nothing of them changes (a run
+    that writes model/ is refused there by the staged write: not an artifact of ours)."""
+    folder = tmp_path / "named"
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "my_weights.txt").write_text("mine")
-    (folder / "runs").mkdir()
-    (folder / "runs" / "events").write_text("mine")
     (folder / "README.md").write_text("# my notes")
-    (folder / "my_figure.png").write_bytes(b"png")
-    return tree(folder)
+    before = tree(folder)
+    _small_report().save(folder)
+    assert {k: v for k, v in tree(folder).items() if k in before} == before
+    assert sorted(tree(folder)) == sorted([*before, LOCK, "report.json", "report.md"])
 
 
-def test_a_folder_of_the_users_files_with_a_runs_names_is_refused(tiny_lm_folder, tmp_path, capsys):
-    """They were claimed by name and deleted (an eval run, Report.save): now a folder is an earlier run's only
-    with the mark runs leave (or, from a release before it, a report.json of an hf_tangent command)."""
-    folder = tmp_path / "mine"
-    before = _users_folder(folder)
-    with pytest.raises(DestinationError, match=r"'.*mine' holds README.md, model, my_figure.png, runs, but is not an "
-                                               r"hf_tangent run's folder \(no \.hf_tangent-run\.json.*Accepted: a new or "
-                                               r"empty folder, or an earlier hf_tangent run's folder"):
-        _small_report().save(folder)
-    assert cli.main(["eval", "--model", str(tiny_lm_folder), "--output-dir", str(folder), "--max-windows", "1",
-                     "--seq-len", "16"]) == 2
-    assert "is not an hf_tangent run's folder" in capsys.readouterr().err
-    assert tree(folder) == before
-    legacy = tmp_path / "legacy"  # a run folder of a release before the mark: its report says so
-    (legacy / "patch").mkdir(parents=True)
-    (legacy / "report.json").write_text(json.dumps(_small_report().data))
-    _small_report().save(legacy)
-    assert sorted(p.name for p in legacy.iterdir()) == [MARK, "report.json", "report.md"]
-
-
-def test_a_folder_a_live_run_holds_is_refused_to_another_process(tmp_path, caplog):
-    """A second process saving into a folder whose run is still writing moved that run's files aside and
-    deleted them (review finding 2). Here the first run is a forked process inside its RunFolder."""
-    import os
-
-    folder = tmp_path / "held"
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the run holding the folder
-        try:
-            with RunFolder(folder):
-                (folder / "checkpoint-5").mkdir(parents=True)
-                (folder / "checkpoint-5" / "trainer_state.json").write_text("{}")
-                os.write(ready_w, b"x")
-                os.read(go_r, 1)
-                (folder / "report.json").write_text('{"by": "A"}')
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    os.close(go_r)
-    try:
-        assert os.read(ready_r, 1) == b"x"
-        held = tree(folder)
-        with pytest.raises(DestinationError, match=f"another run, pid {pid}, is writing into it; accepted: this "
-                                                   "folder once that run has ended, or another folder"):
+def test_a_symbolic_link_among_the_entries_is_refused_and_never_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    for name in ("patch", "report.json", LOCK):
+        folder = tmp_path / f"run-{name}"
+        folder.mkdir()
+        (folder / name).symlink_to(elsewhere if name == "patch" else elsewhere / "keep.txt")
+        with pytest.raises(DestinationError, match=rf"holds symbolic links \({name}\) where a run writes; a run "
+                                                   "writes its own entries and never follows a link"):
             _small_report().save(folder)
-        with caplog.at_level(logging.WARNING, logger="hf_tangent"):
-            assert recover_run_folder(folder) is None  # its run is not over: nothing is recovered
-        assert f"another run, pid {pid}, is writing into it; nothing recovered" in caplog.text
-        assert tree(folder) == held
-    finally:
-        os.write(go_w, b"x")
-        os.waitpid(pid, 0)
-    assert tree(folder) == {**ENDED, "checkpoint-5": None, "checkpoint-5/trainer_state.json": b"{}",
-                            "report.json": b'{"by": "A"}'}
-    _small_report().save(folder)  # ended: the next run replaces it
-    assert sorted(p.name for p in folder.iterdir()) == [MARK, "report.json", "report.md"]
+        assert sorted(p.name for p in folder.iterdir()) == [name]
+    assert tree(elsewhere) == {"keep.txt": b"mine"}
 
 
-def test_an_input_inside_the_output_folder_is_refused_before_anything_moves(tiny_lm_folder, tmp_path, capsys):
-    """`eval --model runs/latest/patch --output-dir runs/latest`: the claim moved the folder aside before --model
-    was read ("could not load model ... not a local folder"). Now refused, naming both, before anything moves."""
+def test_nothing_is_parsed_out_of_a_file_name(tmp_path):
+    """A hidden phase folder of an earlier release with a 20-digit process id crashed writers (OverflowError); now
+    it is an entry like any other, left as it is. The mark of an earlier release is never read (a forged pid is
+    nothing)."""
+    folder = tmp_path / "run"
+    name = ".hf_tangent-run-earlier-99999999999999999999-deadbeef"
+    (folder / name).mkdir(parents=True)
+    (folder / name / "report.json").write_text("{}")
+    _small_report().save(folder)
+    assert (folder / name / "report.json").read_text() == "{}"
+    (folder / ".hf_tangent-run.json").write_text('{"hf_tangent": "run folder", "pid": Infinity, "host": "h"}')
+    _small_report().save(folder)
+    assert (folder / ".hf_tangent-run.json").read_text().endswith('"host": "h"}')
+
+
+def test_an_input_inside_the_output_folder_is_refused_before_anything_is_read(tiny_lm_folder, tmp_path, capsys):
+    """`eval --model runs/latest/patch --output-dir runs/latest`: the run would replace what it reads. Refused,
+    naming both; a checkpoint of the folder is an input of a resumed run."""
     folder = tmp_path / "latest"
-    with RunFolder(folder):
-        ht.save_patch(ht.patch(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(),
-                               ht.TangentConfig(update="projected")), folder / "patch", base_model=str(tiny_lm_folder))
-        _small_report(run_folder=folder).save(folder)
+    ht.save_patch(ht.patch(LlamaForCausalLM.from_pretrained(tiny_lm_folder).eval(), ht.TangentConfig(update="projected")),
+                  folder / "patch", base_model=str(tiny_lm_folder))
+    _small_report().save(folder)
+    (folder / "checkpoint-3").mkdir()
     before = tree(folder)
     assert cli.main(["eval", "--model", str(folder / "patch"), "--output-dir", str(folder), "--max-windows", "1",
                      "--seq-len", "16"]) == 2
@@ -273,44 +260,58 @@ def test_an_input_inside_the_output_folder_is_refused_before_anything_moves(tiny
     with pytest.raises(DestinationError, match=r"model= '.*latest/patch' lies inside the output folder"):
         ht.calibrate_gates(str(folder / "patch"), training_args=ht.TangentTrainingArguments(output_dir=str(folder)))
     assert tree(folder) == before
+    with RunFolder(folder, inputs={"--resume_from_checkpoint": str(folder / "checkpoint-3")}):
+        pass
 
 
-def test_a_run_resumed_from_a_checkpoint_elsewhere_keeps_none_of_the_folders_checkpoints(tmp_path):
-    """calibrate --output_dir X --resume_from_checkpoint Y/checkpoint-2 kept run 1's X/checkpoint-4 beside a
-    report of 3 steps (review finding 6): only a run that continues the folder's own run keeps them."""
-    import argparse
+# ----------------------------------------------------------------------------- one run at a time
+def test_a_second_run_into_a_folder_a_thread_holds_is_refused(tmp_path):
+    folder = tmp_path / "held"
+    held, done = threading.Event(), threading.Event()
 
-    from hf_tangent.experiments.runs import in_run_folder
+    def first():
+        with RunFolder(folder):
+            held.set()
+            done.wait(30)
 
-    def command(args):
-        (Path(args.output_dir) / "checkpoint-3").mkdir()
-        (Path(args.output_dir) / "checkpoint-3" / "trainer_state.json").write_text("{}")
-        return 0
-
-    other = tmp_path / "Y" / "checkpoint-2"
-    other.mkdir(parents=True)
-    (other / "trainer_state.json").write_text("{}")
-    out = tmp_path / "X"
-    with RunFolder(out):
-        (out / "checkpoint-4").mkdir(parents=True)
-        (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
-    assert in_run_folder(command)(argparse.Namespace(output_dir=str(out), resume_from_checkpoint=str(other))) == 0
-    assert sorted(p.name for p in out.iterdir()) == [MARK, "checkpoint-3"]
-    with RunFolder(out, resume="last"):  # continuing the folder's own run keeps them
-        assert (out / "checkpoint-3").is_dir()
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(DestinationError, match=f"^Report.save: {re.escape(repr(str(folder)) + ' ' + IN_USE)}$"):
+            _small_report().save(folder)
+    finally:
+        done.set()
+        thread.join()
+    assert _hidden(folder) == [LOCK] and not (folder / "report.json").exists()
+    with RunFolder(folder):  # ended: the next run gets in; a RunFolder inside it, in its thread, is that run's
+        _small_report().save(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK, "report.json", "report.md"]
 
 
-def test_a_stopped_run_says_how_to_get_the_earlier_run_back_and_that_works(tmp_path, caplog):
-    """After a stopped rerun the earlier run's patch and report were invisible to every loader, with no word
-    of where they were (review finding 5): the log names the hidden folder and the call that gives them back."""
-    folder = tmp_path / "run"
-    before = _earlier_run(folder)
-    _stopped_after_a_checkpoint(folder, caplog)
-    assert "the earlier run's files in .hf_tangent-run-earlier-" in caplog.text
-    call = caplog.text.split('python -c "')[1].split('"')[0]
-    assert call == f"from hf_tangent.experiments.runs import recover_run_folder; recover_run_folder({str(folder)!r})"
-    exec(call, {})  # the line as a user runs it (in a fresh process it imports hf_tangent: seconds)
-    assert tree(folder) == before
+HOLDER = """
+import sys
+from hf_tangent.experiments.runs import RunFolder
+with RunFolder(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_second_run_into_a_folder_another_process_holds_is_refused_and_a_killed_one_blocks_nothing(tmp_path):
+    folder = tmp_path / "held"
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "held\n"
+        with pytest.raises(DestinationError, match=f"^Report.save: {re.escape(repr(str(folder)) + ' ' + IN_USE)}$"):
+            _small_report().save(folder)
+        assert sorted(p.name for p in folder.iterdir()) == [LOCK]
+    finally:
+        child.kill()  # SIGKILL: the OS releases its lock; the lock file stays
+        child.wait()
+    _small_report().save(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK, "report.json", "report.md"]
 
 
 # ----------------------------------------------------------------------------- tokenizer files
@@ -357,3 +358,31 @@ def test_a_tokenizer_saved_before_the_first_save_is_kept_but_never_mixed(tiny_lm
     assert "vocab.json" not in _tokenizer_files(folder)
     assert torch.equal(torch.tensor(AutoTokenizer.from_pretrained(folder)("Emma")["input_ids"]),
                        torch.tensor(tokenizer("Emma")["input_ids"]))
+
+
+def test_what_a_run_would_write_through_is_refused_before_the_run(tmp_path, capsys, tiny_lm_folder):
+    """The fresh-eyes review of issue 59: a link one level below a run's entry was followed (the Trainer wrote its
+    state into a file outside the folder); a report.json that is a folder, or a lock that is one, failed after
+    the work (a raw IsADirectoryError, the new report.md beside the old report.json). Each is refused by name
+    before anything is written; the folder is left as it was."""
+    victim = tmp_path / "victim.json"
+    victim.write_text("mine")
+    cases = {"link": lambda f: ((f / "checkpoint-1").mkdir(), (f / "checkpoint-1" / "trainer_state.json").symlink_to(
+                 victim)),
+             "report": lambda f: ((f / "report.json").mkdir(), (f / "report.json" / "x").write_text("x")),
+             "lock": lambda f: (f / LOCK).mkdir()}
+    messages = {"link": "holds symbolic links (checkpoint-1/trainer_state.json) where a run writes",
+                "report": "holds report.json as something else than a file",
+                "lock": f"holds {LOCK} as something else than a file"}
+    for name, make in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        make(folder)
+        before = tree(folder)
+        with pytest.raises(DestinationError, match=re.escape(messages[name])):
+            _small_report().save(folder)
+        assert cli.main(["eval", "--model", str(tiny_lm_folder), "--output-dir", str(folder), "--max-windows", "1",
+                         "--seq-len", "16"]) == 2
+        assert messages[name] in capsys.readouterr().err
+        assert tree(folder) == before
+    assert victim.read_text() == "mine"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import textwrap
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from ..experiments.runs import claim_run_folder, in_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
 from ..training import data
 from ..training.data import TextSource
+
+DOCS = "https://github.com/hf-tangent/hf_tangent/blob/main/docs/"  # the help names pages by URL: a wheel has no docs/
 
 
 class CommandError(ValueError):
@@ -88,8 +91,9 @@ class CalibrationTextArguments(Checked):
     train_windows: int = field(default=64, metadata={"help": "calibration / training windows of --seq-len tokens"})
     corpus: Literal["austen", "mixed"] | None = field(default=None, metadata={
         "help": "the offline text where none is given: austen (the novels) or mixed (the novels and English prose "
-                "from Debian packages, each domain split by document: docs/recipes.md, 'The mixed corpus'); default: mixed for heal, "
-                "austen for calibrate and finetune. heal reports every held-out domain of the mixed corpus either way"})
+                "from Debian packages, each domain split by document); default: mixed for heal, austen for calibrate and "
+                "finetune. heal reports every held-out domain of the mixed corpus either way. "
+                f"See {DOCS}recipes.md#the-mixed-corpus"})
 
 
 def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None,
@@ -142,6 +146,46 @@ def preflight(*groups, output_dir: str | None = None, device: str | None = None)
             raise CommandError("pass --text-files or --dataset, not both.")
     if output_dir is not None:
         check_output_dir(output_dir)
+
+
+# ----------------------------------------------------------------------------- smoke size
+SMOKE = {  # option -> its size under HF_TANGENT_SMOKE=1 (the documented commands, run by CI in seconds on 2 cores)
+    "max_steps": 2, "max_windows": 2, "calibration_windows": 2, "seq_len": 64,
+    "train_windows": 6,  # one per domain of the mixed corpus (heal's default text); training is max_steps batches
+    "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
+    "limit": 2, "random_starts": 2, "token_starts": 2, "steps": 10, "max_iter": 5, "tokens": 2, "greedy_max_k": 1,
+    "seeds": 1, "random_seeds": 1, "scale": "smoke",
+    "stages": 1}  # progressive healing in stages needs a step per stage; 2 steps hold one
+SMOKE_NONE_IS_ALL = {"limit", "greedy_max_k"}  # None means "every item / layer" here, elsewhere the command's own size
+
+
+def smoke_sizes(args: argparse.Namespace) -> list[str] | None:
+    """With HF_TANGENT_SMOKE=1, every option of SMOKE that the command has is capped in `args`: a number to
+    min(value, cap), a list to its first `cap` items, a scale replaced; a value already smaller stays. Returns
+    "option old -> new" for each value changed (None without HF_TANGENT_SMOKE=1)."""
+    flag = os.environ.get("HF_TANGENT_SMOKE", "")
+    if flag not in ("", "0", "1"):
+        raise CommandError(f"HF_TANGENT_SMOKE={flag!r} is not accepted; accepted: unset, '', 0 (full size) or 1 "
+                           "(every size capped to a smoke run).")
+    if flag != "1":
+        return None
+    changed = []
+    for name, cap in SMOKE.items():
+        if name not in vars(args):
+            continue
+        value = getattr(args, name)
+        if isinstance(cap, str):
+            new = cap
+        elif isinstance(value, list):
+            new = value[:cap]
+        elif value is None:
+            new = cap if name in SMOKE_NONE_IS_ALL else None
+        else:
+            new = min(value, cap)
+        if new != value:
+            setattr(args, name, new)
+            changed.append(f"{name} {value} -> {new}")
+    return changed
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -302,6 +346,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             return text  # --no_X: its own help says what it turns off
         return super()._get_help_string(action)
 
+    def _split_lines(self, text, width):  # a URL stays whole, so that it can be clicked and copied
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
 
 def _arrange(sub, name: str, dataclass_types, func) -> None:
     """The help in the order a user reads it: the recipe, the model and the output first; then the command's own
@@ -341,6 +388,7 @@ def _arrange(sub, name: str, dataclass_types, func) -> None:
         groups[key]._group_actions.append(action)
     new = [groups[k] for k in sorted(groups)]
     sub._action_groups = [g for g in sub._action_groups if g not in new and g._group_actions] + new
+    sub.trainer_group, sub.trainer_own = groups.get(3), ours
     shown = " ".join(f"[{a.option_strings[0]} {a.metavar or a.dest.upper()}]" for a in sorted(named, key=rank)
                      if a.dest in FIRST)
     sub.usage = f"hf-tangent {name} [-h] {shown} [options]".replace("  ", " ")
@@ -363,7 +411,7 @@ def _recipes_for(command: str) -> list[tuple[str, dict]]:
     return found
 
 
-def _defaults_text(sub, command: str) -> str:
+def _defaults_text(sub, command: str, recipes: list[tuple[str, dict]]) -> str:
     """What the defaults shown are, and, for each shipped recipe of the command, the values it sets that differ
     from them (so a reader sees where the main job's numbers come from)."""
     applied = getattr(sub, "applied_recipe", None)
@@ -377,7 +425,7 @@ def _defaults_text(sub, command: str) -> str:
 
     defaults = {a.dest: a.default for a in sub._actions}
     lines = ["Defaults shown: the command's own, without a recipe."]
-    for name, values in _recipes_for(command):
+    for name, values in recipes:
         differ = [f"--{k} {shown(v)}" for k, v in values.items() if k in defaults and defaults[k] != v and k != "output_dir"]
         main = " (the README's main job)" if name == "offline_default" else ""
         lines.append(f"--recipe {name}{main} sets " + (", ".join(differ) if differ else "the defaults") + ".")
@@ -386,8 +434,9 @@ def _defaults_text(sub, command: str) -> str:
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
 
 
-def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True):
-    """A subcommand whose options are the fields of `dataclass_types` (plus --recipe)."""
+def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True, docs: str | None = None):
+    """A subcommand whose options are the fields of `dataclass_types` (plus --recipe); `docs`: its page under DOCS,
+    named in the description (an installed package has no docs/ folder)."""
     sub = subparsers.add_parser(name, dataclass_types=dataclass_types, help=help, description=help,
                                 formatter_class=HelpFormatter,
                                 allow_abbrev=False)  # --seed must not silently mean --seeds
@@ -403,12 +452,56 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=in_run_folder(func), parser=sub)  # the recipe and its report: one run of --output_dir
     _arrange(sub, name, dataclass_types, func)
-    if recipe:
+    description = textwrap.fill(help, 100) + (f"\nDocs: {DOCS}{docs}" if docs else "")
+    sub.description = description
+    if sub.trainer_group is not None:
+        sub.add_argument("--help-all", action=_HelpAll, help="this help with every Trainer option, and exit")
+        sub.usage = sub.usage.replace("[-h]", "[-h | --help-all]")
+    if recipe or sub.trainer_group is not None:
         format_help = sub.format_help
 
         def with_defaults():  # the recipes are read when the help is shown, not on every start
-            sub.description = f"{textwrap.fill(help, 100)}\n\n{_defaults_text(sub, name)}"
-            return format_help()
+            recipes = _recipes_for(name) if recipe else []
+            if recipe:
+                sub.description = f"{description}\n\n{_defaults_text(sub, name, recipes)}"
+            return _with_trainer_options_hidden(sub, name, recipes, format_help)
 
         sub.format_help = with_defaults
     return sub
+
+
+TRAINER_DOCS = "https://huggingface.co/docs/transformers/main_classes/trainer#transformers.TrainingArguments"
+
+
+class _HelpAll(argparse.Action):
+    """--help-all: --help with every option of transformers.TrainingArguments (--help shows only those hf_tangent or
+    a recipe sets: the Trainer's ~120 others made `calibrate --help` 527 lines)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.help_all = True
+        parser.print_help()
+        parser.exit()
+
+
+def _with_trainer_options_hidden(sub, name: str, recipes: list[tuple[str, dict]], format_help) -> str:
+    """The help, the Trainer's options left out (argparse.SUPPRESS, for this once) but those hf_tangent gives its own
+    default and those a shipped or the given recipe sets; the group says where the rest are. Parsing is unchanged."""
+    group = sub.trainer_group
+    if group is None or getattr(sub, "help_all", False):
+        return format_help()
+    shown = sub.trainer_own | {key for _, values in recipes for key in values}
+    hidden = [a for a in group._group_actions if a.dest not in shown and getattr(a, "recipe", None) is None]
+    saved = [a.help for a in hidden]
+    group.description = (f"Shown: those hf_tangent or a shipped recipe sets. All of them: `hf-tangent {name} --help-all`,"
+                         f" or\n{TRAINER_DOCS}")
+    for action in hidden:
+        action.help = argparse.SUPPRESS
+    try:
+        return format_help()
+    finally:
+        group.description = None
+        for action, text in zip(hidden, saved, strict=True):
+            action.help = text

@@ -40,7 +40,8 @@ class CalibrateArguments(Checked):
 def calibrate_command_parser(subparsers):
     return add_command(subparsers, "calibrate", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
                                                  CalibrateArguments, TangentTrainingArguments),
-                       "train one scalar FFN gate per layer, all weights frozen (math.md section 5)", calibrate_command)
+                       "train one scalar FFN gate per layer, all weights frozen", calibrate_command,
+                       docs="math.md#5-layerwise-ffn-gates")
 
 
 def hub_target(training) -> str | None:

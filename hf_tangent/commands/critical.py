@@ -45,8 +45,8 @@ class CriticalArguments(Checked):
 
 def critical_command_parser(subparsers):
     return add_command(subparsers, "critical", (ModelArguments, EvalTextArguments, RunArguments, CriticalArguments),
-                       "critical directions of the reduced fields and their tangent-Jacobian types (docs/geometry.md)",
-                       critical_command)
+                       "critical directions of the reduced fields and their tangent-Jacobian types",
+                       critical_command, docs="geometry.md")
 
 
 def critical_command(args) -> int:

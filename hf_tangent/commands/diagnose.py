@@ -31,8 +31,8 @@ class DiagnoseArguments(Checked):
 
 def diagnose_command_parser(subparsers):
     return add_command(subparsers, "diagnose", (ModelArguments, EvalTextArguments, RunArguments, DiagnoseArguments),
-                       "per-layer radial fraction, norms, angles, diversity, deficit (math.md section 4)",
-                       diagnose_command)
+                       "per-layer radial fraction, norms, angles, diversity, deficit",
+                       diagnose_command, docs="diagnostics.md")
 
 
 def diagnose_command(args) -> int:

@@ -33,8 +33,8 @@ class FfnJacobianArguments(Checked):
 
 def ffn_jacobian_command_parser(subparsers):
     return add_command(subparsers, "ffn-jacobian", (ModelArguments, EvalTextArguments, RunArguments, FfnJacobianArguments),
-                       "FFN Jacobian, activation gain and keys/values view per layer (docs/geometry.md)",
-                       ffn_jacobian_command)
+                       "FFN Jacobian, activation gain and keys/values view per layer",
+                       ffn_jacobian_command, docs="geometry.md")
 
 
 def ffn_jacobian_command(args) -> int:

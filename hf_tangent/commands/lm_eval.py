@@ -8,7 +8,7 @@ from typing import ClassVar
 from ..analysis.evaluation import update_variants
 from ..integrations.harness.tasks import TASKS
 from ..ranges import Range, at_least
-from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight
+from .arguments import DOCS, Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight
 
 
 @dataclass
@@ -30,7 +30,7 @@ class LmEvalArguments(Checked):
     bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples of the paired 95% intervals"})
     backend: str = field(default="hf", metadata={
         "help": "hf: lm-eval's HFLM on the model in memory; vllm: lm-eval's VLLM, every variant written as a complete "
-                "folder and served by vLLM with hf_tangent's plugin (needs vLLM: docs/serving.md)",
+                f"folder and served by vLLM with hf_tangent's plugin (needs vLLM: {DOCS}serving.md)",
         "choices": ["hf", "vllm"]})
     vllm_args: str | None = field(default=None, metadata={
         "help": "with --backend vllm: vllm.LLM arguments as lm-eval writes model_args, "

@@ -35,8 +35,8 @@ class PressureArguments(Checked):
 
 def pressure_command_parser(subparsers):
     return add_command(subparsers, "pressure", (ModelArguments, EvalTextArguments, RunArguments, PressureArguments),
-                       "spherical diversity under growing attention aggregation, per FFN variant (docs/geometry.md)",
-                       pressure_command)
+                       "spherical diversity under growing attention aggregation, per FFN variant",
+                       pressure_command, docs="geometry.md")
 
 
 def pressure_command(args) -> int:

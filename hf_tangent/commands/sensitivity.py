@@ -22,8 +22,8 @@ class SensitivityArguments(Checked):
 
 def sensitivity_command_parser(subparsers):
     return add_command(subparsers, "sensitivity", (ModelArguments, SensitivityArguments, RunArguments),
-                       "FFN input-sensitivity C_l of every layer on calibration text (math.md section 4)",
-                       sensitivity_command)
+                       "FFN input-sensitivity C_l of every layer on calibration text",
+                       sensitivity_command, docs="parallel.md")
 
 
 def sensitivity_command(args) -> int:

@@ -47,7 +47,8 @@ class StudyBudget(Checked):
 
 def study_command_parser(subparsers):
     sub = add_command(subparsers, "study", (StudyArguments, StudyBudget),
-                      "from-scratch training studies: tangential, retraction, noise (docs/studies.md)", study_command)
+                      "from-scratch training studies: tangential, retraction, noise", study_command,
+                      docs="studies-guide.md")
     sub.add_argument("study", nargs="?", help=f"one of: {', '.join(STUDIES)} (or `study:` in a --recipe)")
     return sub
 

@@ -426,6 +426,160 @@ def _part_entries(report: dict, name: str) -> list[dict]:
         "torch": report.get("torch"), "peak_rss_gb": report.get("peak_rss_gb")}]
 
 
+def _read_part(item, k: int) -> tuple[dict, str]:
+    """A part's data and its name in errors: a Report object's, or a report.json (or its folder) as read."""
+    if isinstance(item, Report):
+        data, name, kind = item.data, f"part {k} (a Report object)", item.kind
+    elif isinstance(item, (str, os.PathLike)):
+        name = os.path.join(item, "report.json") if os.path.isdir(item) else os.fspath(item)
+        try:
+            data = json.loads(Path(name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"merge_lm_eval: {name}: not a readable report.json ({err}).") from None
+        kind = data.get("command") if isinstance(data, dict) else None
+    else:
+        raise TypeError(f"merge_lm_eval: {item!r} is neither a Report nor the path of a report.json.")
+    if not isinstance(data, dict):
+        raise ValueError(f"merge_lm_eval: {name} holds a JSON {type(data).__name__}; accepted: a JSON object, the "
+                         "report.json of `hf-tangent lm-eval`.")
+    if kind != "lm-eval":
+        raise ValueError(f"merge_lm_eval: {name} is a {kind!r} report; accepted: lm-eval reports only.")
+    return data, name
+
+
+# What merge_lm_eval reads from a part, and what each field may hold: every part is checked whole against it
+# before anything is read (a string where a list is would be merged letter by letter). A check returns None,
+# or (field, value, accepted) for the first thing malformed. Provenance: _check_provenance.
+def _leaf(test, accepted: str):
+    return lambda value, at: None if test(value) else (at, value, accepted)
+
+
+def _at(at: str, key) -> str:
+    return f"{at}[{key!r}]" if at else key
+
+
+def _each(item, accepted: str, keyed: bool = False, nonempty: bool = False):
+    """A JSON list (keyed: an object keyed by names) whose every item passes `item`."""
+    def check(value, at):
+        if not (isinstance(value, dict) and all(isinstance(k, str) for k in value) if keyed else
+                isinstance(value, list)) or (nonempty and not value):
+            return at, value, accepted
+        pairs = value.items() if keyed else enumerate(value)
+        return next(filter(None, (item(v, _at(at, k)) for k, v in pairs)), None)
+    return check
+
+
+def _record(fields: dict, accepted: str, optional: tuple = ()):
+    """A JSON object with these fields (others ignored), each passing its check; `optional` ones may be absent."""
+    def check(value, at):
+        if not isinstance(value, dict):
+            return at, value, accepted
+        return next(filter(None, (field(value.get(key, _MISSING), _at(at, key)) for key, field in fields.items()
+                                  if key in value or key not in optional)), None)  # _MISSING fails every check
+    return check
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _metrics(value, at):
+    """lm-eval's metrics of one task: a stderr may be NaN (lm-eval's, of too few items), a metric is finite."""
+    if not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        return at, value, "an object of metric -> number"
+    for key, number in value.items():
+        stderr = "_stderr," in key
+        if not (_finite(number) or stderr and isinstance(number, float)):
+            return _at(at, key), number, "a number" if stderr else "a finite number"
+    return None
+
+
+_MISSING = object()
+_TEXT = _leaf(lambda v: isinstance(v, str), "a string")
+_NAMES = _each(_TEXT, "a non-empty list of names (strings)", nonempty=True)
+_SECONDS = _leaf(lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+_ITEMS = _leaf(lambda v: v is None or _int(v) and v >= 1, "an integer >= 1, or null (all items)")
+_LIMIT = _leaf(lambda v: _ITEMS(v, "") is None or isinstance(v, dict) and all(
+    isinstance(k, str) and _ITEMS(n, "") is None for k, n in v.items()),
+    "an integer >= 1, null (all items), or an object of task -> one of those")
+_INTERVAL = _record({"diff": _leaf(_finite, "a finite number"), "low": _leaf(_finite, "a finite number"),
+                     "high": _leaf(_finite, "a finite number"), "n": _leaf(lambda v: _int(v) and v >= 1, "an integer >= 1")},
+                    "an object of diff, low, high and n")
+LM_EVAL_PART = _record({
+    "model": _TEXT, "tasks": _NAMES, "variants": _NAMES, "limit": _LIMIT,
+    "num_fewshot": _leaf(lambda v: v is None or _int(v) and v >= 0, "an integer >= 0, or null"),
+    "bootstrap": _leaf(lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "seed": _leaf(_int, "an integer"), "dtype": _TEXT, "hf_tangent_version": _TEXT,
+    "backend": _leaf(lambda v: v in BACKENDS, " or ".join(map(repr, BACKENDS))),
+    "vllm_args": _leaf(lambda v: v is None or isinstance(v, dict), "an object, or null"),
+    "include_path": _leaf(lambda v: v is None or _TEXT(v, "") is None or _NAMES(v, "") is None,
+                          "a path, a list of paths, or null"),
+    "task_source": _each(_TEXT, "an object of task -> string", keyed=True),
+    "groups": _each(_each(_TEXT, "a list of task names"), "an object of group -> list of task names", keyed=True),
+    "results": _each(_each(_metrics, "an object of task -> metrics", keyed=True),
+                     "an object of variant -> task -> metrics", keyed=True),
+    "n_samples": _each(_each(_leaf(lambda v: isinstance(v, dict), "an object"), "an object of task -> counts",
+                             keyed=True), "an object of variant -> task -> counts", keyed=True),
+    "paired": _each(_each(_each(_INTERVAL, "an object of metric -> interval", keyed=True),
+                          "an object of task -> metric -> interval", keyed=True),
+                    "an object of variant -> task -> metric -> interval", keyed=True),
+    "variant_seconds": _each(_SECONDS, "an object of variant -> seconds", keyed=True),
+    "seconds": _SECONDS,
+    "parts": _each(_record({"report": _TEXT, "tasks": _NAMES, "variants": _NAMES, "limit": _LIMIT,
+                            "seconds": _SECONDS}, "an object of report, tasks, variants, limit and seconds"),
+                   "a list of parts (objects)"),
+    "peak_rss_gb": _leaf(lambda v: v is None or _finite(v), "a finite number, or null"),
+}, "an lm-eval report", optional=("backend", "vllm_args", "include_path", "task_source", "groups", "parts",
+                                  "peak_rss_gb"))
+
+
+def _check_part(data: dict, name: str) -> None:
+    """Refused, naming the field, what it holds and what is accepted, unless `data` is an lm-eval report."""
+    problem = LM_EVAL_PART(data, "") or _disagreement(data)
+    if problem:
+        field, value, accepted = problem
+        held = "is missing" if value is _MISSING else f"holds {_shown(value)} ({type(value).__name__})"
+        raise ValueError(f"merge_lm_eval: {name} is malformed: field {field} {held}; accepted: {accepted}.")
+
+
+def _disagreement(data: dict):
+    """The fields that must agree with each other (the shapes are checked): (field, value, accepted) or None."""
+    tasks, variants, results = data["tasks"], data["variants"], data["results"]
+    for field in ("tasks", "variants"):
+        if len(set(data[field])) != len(data[field]):
+            return field, data[field], "names without repeats"
+    if "unpatched" not in variants or set(results) != set(variants):
+        return "results", sorted(results), f"one entry per variant, 'unpatched' among them ({sorted(variants)})"
+    if set(results["unpatched"]) != set(tasks):
+        return "results['unpatched']", sorted(results["unpatched"]), f"every task ({sorted(tasks)})"
+    for variant, scored in results.items():
+        if not set(scored) <= set(tasks):
+            return f"results[{variant!r}]", sorted(scored), f"tasks of the report ({sorted(tasks)})"
+        if set(data["n_samples"].get(variant, {})) != set(scored):
+            return f"n_samples[{variant!r}]", sorted(data["n_samples"].get(variant, {})), f"the tasks of results[{variant!r}]"
+        if variant != "unpatched" and set(data["paired"].get(variant, {})) != set(scored):
+            return f"paired[{variant!r}]", sorted(data["paired"].get(variant, {})), f"the tasks of results[{variant!r}]"
+    if set(data["paired"]) - set(variants) or set(data["variant_seconds"]) != set(variants):
+        return "variant_seconds", sorted(data["variant_seconds"]), f"one entry per variant ({sorted(variants)})"
+    if isinstance(data["limit"], dict) and set(data["limit"]) != set(tasks):
+        return "limit", data["limit"], f"a number, null, or one per task ({sorted(tasks)})"
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _listed(paths) -> list[str]:
+    """include_path: one path (a part) or a list of them (a merged report)."""
+    return [paths] if isinstance(paths, str) else list(paths or [])
+
+
 def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
     """One `lm-eval` report from parts of one measurement run separately (parallel processes, or
     machines of one kind): parts may split the tasks, the variants, or both. Refused, with the
@@ -451,16 +605,9 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
         raise ValueError(f"merge_lm_eval: {len(reports)} report(s) given; accepted: two or more parts of one measurement.")
     parts, names = [], []
     for item in reports:
-        if isinstance(item, Report):
-            report, name = item, f"part {len(parts) + 1} (a Report object)"
-        elif isinstance(item, (str, os.PathLike)):
-            path = os.path.join(item, "report.json") if os.path.isdir(item) else item
-            report, name = Report.load(path), str(path)
-        else:
-            raise TypeError(f"merge_lm_eval: {item!r} is neither a Report nor the path of a report.json.")
-        if report.kind != "lm-eval":
-            raise ValueError(f"merge_lm_eval: {name} is a {report.kind!r} report; accepted: lm-eval reports only.")
-        parts.append(report.data)
+        data, name = _read_part(item, len(parts) + 1)
+        _check_part(data, name)
+        parts.append(data)
         names.append(name)
     seen: dict[str, str] = {}
     for part, name in zip(parts, names, strict=True):
@@ -521,7 +668,7 @@ def merge_lm_eval(reports: list[Report | str | os.PathLike]) -> Report:
     return Report("lm-eval", {
         **{key: first.get(key, MERGE_DEFAULTS.get(key)) for key in MERGE_SAME}, "command": "lm-eval", "tasks": tasks, "variants": variants,
         "limit": next(iter(limits.values())) if one_limit else limits,
-        "include_path": sorted({p["include_path"] for p in parts if p.get("include_path")}) or None,
+        "include_path": sorted({f for p in parts for f in _listed(p.get("include_path"))}) or None,
         "task_source": {t: s for t, s in sources.items() if s is not None},
         "results": results, "n_samples": n_samples, "paired": paired,
         "groups": {g: s for p in parts for g, s in p.get("groups", {}).items()}, "unpaired": unpaired,

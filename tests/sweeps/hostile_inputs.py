@@ -888,12 +888,13 @@ def artifacts_cases(tmp: Path, folder: Path):
 
 def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
     """Issue 47: what a killed save leaves is finished or rolled back by the next reader or writer; an
-    empty folder is staged; a re-save keeps no file of the earlier save's tokenizer; reruns of a run
-    folder leave nothing of the earlier run; writers refuse what their reader would refuse."""
+    empty folder is staged; a re-save keeps no file of the earlier save's tokenizer; writers refuse what
+    their reader would refuse. And issue 59's run folders: a rerun replaces the files it writes, one run
+    at a time, nothing parsed out of a name, no link followed."""
     import subprocess
 
     from hf_tangent.core.destinations import DestinationError
-    from hf_tangent.experiments.runs import MARK, RunFolder, recover_run_folder
+    from hf_tangent.experiments.runs import LOCK, RunFolder
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -945,29 +946,36 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
         return (not (target / "vocab.json").exists() and len(loaded) == len(tokenizer)
                 and not (target / "tokenizer.json").exists())
 
-    def rerun_leaves_nothing_of_the_earlier_run():
+    def rerun_replaces_its_files_and_leaves_the_rest():
         run = tmp / "run47"
         with RunFolder(run):
             (run / "model").mkdir(parents=True)
             (run / "model" / "config.json").write_text("{}")
-            (run / "runs" / "seed1").mkdir(parents=True)
-        with RunFolder(run):
-            (run / "patch").mkdir()
-        return sorted(p.name for p in run.iterdir()) == [MARK, "patch"]
+            (run / "checkpoint-2").mkdir()
+            _eval_report().save(run)
+        kept = {k: v for k, v in tree(run).items() if not k.startswith("report.")}
+        report = _eval_report()
+        report.data["seconds"] = 9.5
+        report.save(run)
+        return ({k: v for k, v in tree(run).items() if not k.startswith("report.")} == kept
+                and json.loads((run / "report.json").read_text())["seconds"] == 9.5)
 
-    def failed_run_gives_the_earlier_run_back():
+    def failed_write_leaves_the_earlier_report():
+        from faults import Steps, count_steps
+
         run = tmp / "run47b"
-        with RunFolder(run):
-            (run / "patch").mkdir(parents=True)
-            (run / "report.json").write_text("{}")
+        _eval_report().save(run)
         before = tree(run)
+        bad = _eval_report()
+        bad.data["seconds"] = 9.5
+        steps = count_steps(lambda: bad.save(tmp / "run47count"))
         try:
-            with RunFolder(run):
-                (run / "report.json").write_text("partial")
-                raise RuntimeError("stopped")
-        except RuntimeError:
+            with Steps(fail=len(steps)):  # report.json's temporary file written, its rename (the last step) fails
+                bad.save(run)
+        except OSError:
             pass
-        return tree(run) == before
+        return tree(run)["report.json"] == before["report.json"] and [
+            p.name for p in run.iterdir() if p.name.startswith(".")] == [LOCK]
 
     expect_ok("artifacts", "a save killed between its renames is finished by the next loader (logged)",
               killed_between_renames_finished_by_the_loader)
@@ -984,27 +992,27 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
               empty_folder_staged)
     expect_ok("artifacts", "a re-save with another tokenizer, then without one, keeps none of the earlier tokenizer",
               tokenizer_of_the_earlier_save_gone)
-    expect_ok("artifacts", "a rerun into a run folder leaves nothing of the earlier run", rerun_leaves_nothing_of_the_earlier_run)
-    expect_ok("artifacts", "a run that fails gives the earlier run back byte-identical", failed_run_gives_the_earlier_run_back)
+    expect_ok("artifacts", "a rerun into a run folder replaces its report and leaves checkpoints and model/",
+              rerun_replaces_its_files_and_leaves_the_rest)
+    expect_ok("artifacts", "a report save that fails midway leaves the earlier report.json and no temporary file",
+              failed_write_leaves_the_earlier_report)
     for case, kwargs, message in [("save_patch(base_model=123)", dict(base_model=123), "base_model=123; accepted"),
                                   ("save_patch(base_model='')", dict(base_model=""), "base_model=''; accepted"),
                                   ("save_patch(revision=5)", dict(revision=5), "revision=5; accepted")]:
         expect_error("artifacts", case, lambda k=kwargs: ht.save_patch(gated(), tmp / "p47", **k), message)
     (tmp / "user47").mkdir()
     (tmp / "user47" / "thesis.tex").write_text("x")
-    expect_error("artifacts", "Report.save into a folder of the user's files",
-                 lambda: _eval_report().save(tmp / "user47"), "holds files no hf_tangent run writes",
-                 kinds=(DestinationError,))
-    # review of issue 47: a folder of the user's files that merely have a run's names; an input inside the output
-    # folder; the documented recovery call on a folder of the user's
+    expect_ok("artifacts", "Report.save into a folder of the user's files: written beside them, which stay",
+              lambda: _eval_report().save(tmp / "user47") and (tmp / "user47" / "thesis.tex").read_text() == "x")
+    # a folder of the user's files that merely have a run's names: written beside, never touched; an input inside
+    # the output folder; what the hidden probe of issue 59 planted
     named = tmp / "named47"
     (named / "model").mkdir(parents=True)
     (named / "model" / "my_weights.txt").write_text("mine")
     (named / "README.md").write_text("# notes")
-    expect_error("artifacts", "Report.save into the user's model/ and README.md (a run's names, no run's mark)",
-                 lambda: _eval_report().save(named), "is not an hf_tangent run's folder", kinds=(DestinationError,))
-    expect_ok("artifacts", "the refused folder of the user's files is byte-identical",
-              lambda: tree(named) == {"README.md": b"# notes", "model": None, "model/my_weights.txt": b"mine"})
+    expect_ok("artifacts", "Report.save beside the user's model/ and README.md leaves them byte-identical",
+              lambda: _eval_report().save(named) and {k: v for k, v in tree(named).items() if not k.startswith(
+                  ("report.", LOCK))} == {"README.md": b"# notes", "model": None, "model/my_weights.txt": b"mine"})
     from hf_tangent import cli
 
     with RunFolder(tmp / "run47c"):
@@ -1016,9 +1024,36 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
     expect_error("artifacts", "RunFolder(inputs=) with an input inside the folder",
                  lambda: RunFolder(tmp / "run47c", inputs={"model=": str(tmp / "run47c" / "patch")}).__enter__(),
                  "lies inside the output folder", kinds=(DestinationError,))
-    expect_ok("artifacts", "recover_run_folder on a folder of the user's files changes nothing",
-              lambda: recover_run_folder(named) is None and tree(named) == {
-                  "README.md": b"# notes", "model": None, "model/my_weights.txt": b"mine"})
+    phase = tmp / "phase59" / ".hf_tangent-run-earlier-99999999999999999999-deadbeef"
+    phase.mkdir(parents=True)
+    expect_ok("artifacts", "an earlier release's hidden phase folder with a 20-digit pid: an entry like any other",
+              lambda: _eval_report().save(phase.parent) and phase.is_dir())
+    (tmp / "mark59").mkdir()
+    (tmp / "mark59" / ".hf_tangent-run.json").write_text('{"pid": Infinity, "host": "x"}')
+    expect_ok("artifacts", "an earlier release's mark with a forged pid is never read",
+              lambda: _eval_report().save(tmp / "mark59") and (tmp / "mark59" / "report.json").is_file())
+    (tmp / "link59").mkdir()
+    (tmp / "link59" / "patch").symlink_to(named)
+    expect_error("artifacts", "a symbolic link under a run's entry name: refused, never followed",
+                 lambda: _eval_report().save(tmp / "link59"), "holds symbolic links (patch) where a run writes", kinds=(DestinationError,))
+    errors = []
+    with RunFolder(tmp / "held59"):
+        second = threading.Thread(target=lambda: errors.append(_refusal(lambda: _eval_report().save(tmp / "held59"))))
+        second.start()
+        second.join()
+    expect_ok("artifacts", "a second run into a folder another run holds (another thread) is refused by message",
+              lambda: errors == ["is in use by another hf_tangent run"] and not (tmp / "held59" / "report.json").exists())
+
+
+def _refusal(fn) -> str | None:
+    """The part of the DestinationError `fn` raises that says a run folder is in use, else None."""
+    from hf_tangent.core.destinations import DestinationError
+
+    try:
+        fn()
+    except DestinationError as err:
+        return "is in use by another hf_tangent run" if "is in use by another hf_tangent run" in str(err) else str(err)
+    return None
 
 
 def _eval_report():
@@ -1026,8 +1061,10 @@ def _eval_report():
 
     return Report("eval", {"command": "eval", "model": "m", "text": "t", "seq_len": 8, "windows": 1,
                            "tokens_per_variant": 1, "seconds": 0.1, "unpatched_is": "the model", "device": "cpu",
+                           "dtype": "float32", "seed": 0, "threads": 1, "torch": "x", "hf_tangent_version": "x",
+                           "python": "x", "peak_rss_gb": 0.1,
                            "rows": [{"variant": "unpatched", "nll": 1.0, "perplexity": 2.7, "delta_nll": 0.0,
-                                     "delta_perplexity": 0.0}]})
+                                     "delta_perplexity": 0.0, "tokens": 1, "config": None}]})
 
 
 def lm_eval_cases(tmp: Path, folder: Path):
@@ -1080,7 +1117,9 @@ def lm_eval_cases(tmp: Path, folder: Path):
     part = ht.lm_eval(model, tokenizer=tokenizer, **small)
     more = ht.lm_eval(model, tokenizer=tokenizer, **(small | dict(limit=3)))
     tampered = copy.deepcopy(part.data)
-    tampered["results"]["unpatched"]["austen_lastword"]["acc,none"] = float("nan")
+    nan = copy.deepcopy(part.data)
+    nan["results"]["unpatched"]["austen_lastword"]["acc,none"] = float("nan")
+    tampered["results"]["unpatched"]["austen_lastword"]["acc,none"] += 0.25  # the same items, another score
     tampered["seconds"] += 1.0  # another process
     for case, reports, message in [
             ("merge_lm_eval([])", [], "0 report(s) given"),
@@ -1089,8 +1128,10 @@ def lm_eval_cases(tmp: Path, folder: Path):
             ("merge_lm_eval([report, None])", [part, None], "neither a Report nor the path"),
             ("merge_lm_eval with a missing report.json", [part, str(tmp / "missing.json")], "not a readable report.json"),
             ("merge_lm_eval of limit 2 and limit 3 of one task", [part, more], "scored with limit 2 in one part and 3"),
-            ("merge_lm_eval with NaN for the same variant on the same items", [part, Report("lm-eval", tampered)],
-             "differs between the parts"),
+            ("merge_lm_eval with NaN for an accuracy", [part, Report("lm-eval", nan)],
+             "holds nan (float); accepted: a finite number"),
+            ("merge_lm_eval with another score for the same variant on the same items",
+             [part, Report("lm-eval", tampered)], "differs between the parts"),
             ("merge_lm_eval of another model", [part, Report("lm-eval", {**part.data, "model": "other"})],
              "the parts differ in 'model'")]:
         expect_error("lm_eval", case, lambda r=reports: ht.merge_lm_eval(r), message)
