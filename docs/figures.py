@@ -57,11 +57,28 @@ def minutes(seconds: float) -> str:
 def main_job() -> str:
     r = report("offline_default_smollm2.json")
     g, h, t = r["gate_summary"], r["heldout"], r["training"]
-    return (f"Measured here (2 CPU cores, seed {r['seed']}, {t['max_steps']} steps of {t['batch_size']} x {r['seq_len']} "
-            f"tokens, {r['eval_windows']} held-out windows of {r['seq_len']} tokens): {minutes(r['seconds'])} wall, "
-            f"{r['peak_rss_gb']:.1f} GB peak RSS; mean gate {g['mean']:.3f}, range {g['min']:.3f} (layer {g['argmin']})\n"
-            f".. {g['max']:.3f} (layer {g['argmax']}), Delta L = {h['delta_nll']:.4f} nats (perplexity "
-            f"{h['natural_perplexity']:.2f} -> {h['gated_perplexity']:.2f}).\n")
+    rules = len(r["update_variants"]) - 1  # beside the unpatched row
+    return wrap(f"Measured on this machine (a 2-core CPU, {r['threads']} torch threads, otherwise idle): "
+                f"{minutes(r['seconds'])} wall and {r['peak_rss_gb']:.1f} GB peak RSS for {rules} rules x "
+                f"{r['eval_windows']} held-out windows of {r['seq_len']} tokens and {t['max_steps']} steps of "
+                f"{t['batch_size']} x {r['seq_len']} tokens. The time grows with rules x windows (step 1) and with "
+                f"steps x batch x tokens (step 2); on a machine whose cores are busy it takes several times longer. "
+                f"Result: mean gate {g['mean']:.3f}, range {g['min']:.3f} (layer {g['argmin']}) .. {g['max']:.3f} "
+                f"(layer {g['argmax']}); Delta L = {h['delta_nll']:.4f} nats (perplexity "
+                f"{h['natural_perplexity']:.2f} -> {h['gated_perplexity']:.2f}).")
+
+
+def wrap(text: str, width: int = 110, indent: str = "") -> str:
+    """A paragraph (or list item: `indent` on the lines after the first) at the pages' line length."""
+    import textwrap
+
+    return textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False) + "\n"
+
+
+def main_job_table() -> str:
+    from hf_tangent.experiments.report import variants_table
+
+    return variants_table(report("offline_default_smollm2.json")["update_variants"]) + "\n"
 
 
 def _size(n: int) -> str:
@@ -81,16 +98,16 @@ def main_job_files() -> str:
             lines += [f"- `{path}` {_size(size)}" for path, size in entries]
         else:
             inside = ", ".join(f"`{path.split('/', 1)[1]}` {_size(size)}" for path, size in entries)
-            lines.append(f"- `{top}/` {_size(sum(size for _, size in entries))}: {inside}")
+            lines.append(wrap(f"- `{top}/` {_size(sum(size for _, size in entries))}: {inside}", indent="  ").rstrip())
     return "\n".join(lines) + "\n"
 
 
 def sweep_count() -> str:
     r = report("hostile_sweep.json")
     o = r["outcomes"]
-    return (f"`python tests/sweeps/hostile_inputs.py` runs the {r['cases']}-case hostile-input sweep ({o['ok']} ok, "
-            f"{o['clear']} clear errors, {r['cases'] - o['ok'] - o['clear']} other; "
-            "[docs/results/hostile_sweep.md](docs/results/hostile_sweep.md)); pytest runs its groups too.\n")
+    return wrap(f"`python tests/sweeps/hostile_inputs.py` runs the {r['cases']}-case hostile-input sweep ({o['ok']} "
+                f"ok, {o['clear']} clear errors, {r['cases'] - o['ok'] - o['clear']} other; "
+                "[docs/results/hostile_sweep.md](docs/results/hostile_sweep.md)); pytest runs its groups too.")
 
 
 def table(header: list[str], rows: list[list], align: str | None = None) -> str:
@@ -368,18 +385,14 @@ def results_parallel() -> str:
 def eval_table(path: str) -> str:
     r = report(path)
     main = report("offline_default_smollm2.json")
-    head = (f"`hf-tangent eval` at its defaults (this 2-core CPU, {r['dtype']}, Emma, {r['windows']} windows x {r['seq_len']} "
-            f"tokens, {round(r['seconds'])} s; [report](docs/results/{path.replace('.json', '.md')})). The main job "
-            f"(`hf-tangent calibrate --recipe offline_default`) prints the same table on {main['eval_windows']} windows of "
-            f"{main['seq_len']} tokens from the start of Emma ([its report](docs/results/offline_default_smollm2.md)): "
-            f"other windows, so other numbers:\n\n")
+    head = wrap(f"`hf-tangent eval` at its defaults (this 2-core CPU, {r['dtype']}, Emma, {r['windows']} windows x "
+                f"{r['seq_len']} tokens, {round(r['seconds'])} s; [report](results/{path.replace('.json', '.md')})). "
+                f"The main job (`hf-tangent calibrate --recipe offline_default`) prints the same table on "
+                f"{main['eval_windows']} windows of {main['seq_len']} tokens from the start of Emma "
+                "([its report](results/offline_default_smollm2.md)): other windows, so other numbers:")
+    from hf_tangent.experiments.report import variants_table
 
-    def ppl(x):
-        return f"{x:.4g}" if x < 1e5 else f"{x:.1e}".replace("e+0", "e").replace("e+", "e")
-
-    return head + table(["variant", "NLL", "perplexity", "delta NLL"],
-                        [[row["variant"], f"{row['nll']:.4f}", ppl(row["perplexity"]), signed(row["delta_nll"], 4)]
-                         for row in r["rows"]])
+    return head + "\n" + variants_table(r["rows"]) + "\n"
 
 
 # ----------------------------------------------------------------------------- residual geometry
@@ -946,10 +959,10 @@ def _domain_rows(evaluation: dict, domain: str, unpatched: float, windows: int) 
     return rows
 
 
-def heal_domains() -> str:
-    """Per held-out domain: the unpatched NLL, the untrained patch, and the patch healed on Austen only
-    and (where measured) on the mixed corpus: differences from the unpatched model over the same windows."""
-    out = []
+def _heal_domain_runs():
+    """Per heal of HEAL_DOMAIN_RUNS: its label, the line on how it was trained, and per held-out domain the
+    window count, the unpatched NLL and the differences (dicts with delta_nll, low, high) of the untrained
+    patch, the Austen-only heal and the mixed-corpus heal (None where not measured)."""
     for label, austen_report, austen_eval, mixed_report, untrained_eval, untrained_row in HEAL_DOMAIN_RUNS.values():
         austen, evaluation = report(f"{HEAL_DOMAINS}/{austen_report}"), report(f"{HEAL_DOMAINS}/{austen_eval}")
         untrained = report(f"{HEAL_DOMAINS}/{untrained_eval}")
@@ -961,18 +974,55 @@ def heal_domains() -> str:
             m = mixed["domains"][domain] if mixed else None
             if m and (abs(m["unpatched_nll"] - base["unpatched"]["nll"]) > 1e-4 or m["windows"] != d["windows"]):
                 raise ValueError(f"heal-domains, {domain}: the mixed heal scored other windows")
-            before = m["runs"][0]["untrained"] if m else first.get(untrained_row)
-            rows.append([domain, str(d["windows"]), f"{base['unpatched']['nll']:.4f}", _ci(before) if before else "-",
-                         _ci(base["saved patch (as loaded)"]), _ci(m["runs"][0]["healed"]) if m else "not measured"])
+            rows.append({"domain": domain, "windows": d["windows"], "unpatched": base["unpatched"]["nll"],
+                         "untrained": m["runs"][0]["untrained"] if m else first.get(untrained_row),
+                         "austen": base["saved patch (as loaded)"], "mixed": m["runs"][0]["healed"] if m else None})
         trained = (f"mixed: {', '.join(f'{n} {k}' for n, k in mixed['train_domains'].items())} training windows, "
                    f"{minutes(mixed['seconds'])}; " if mixed else "")
-        out.append(f"**{label}** (seed {austen['seeds'][0]}, {austen['training']['max_steps']} steps; {trained}Austen only: "
-                   f"{austen['train_windows']} windows of the calibration novels, {minutes(austen['seconds'])})\n\n" + table(
-                       ["held-out domain", "windows", "unpatched NLL", "untrained patch", "healed on Austen only",
-                        "healed on the mixed corpus"], rows, "---|---:|---:|---:|---:|---:"))
+        yield label, (f"(seed {austen['seeds'][0]}, {austen['training']['max_steps']} steps; {trained}Austen only: "
+                      f"{austen['train_windows']} windows of the calibration novels, {minutes(austen['seconds'])})"), rows
+
+
+def heal_domains() -> str:
+    """Per held-out domain: the unpatched NLL, the untrained patch, and the patch healed on Austen only
+    and (where measured) on the mixed corpus: differences from the unpatched model over the same windows."""
+    out = []
+    for label, trained, rows in _heal_domain_runs():
+        out.append(f"**{label}** {trained}\n\n" + table(
+            ["held-out domain", "windows", "unpatched NLL", "untrained patch", "healed on Austen only",
+             "healed on the mixed corpus"],
+            [[r["domain"], str(r["windows"]), f"{r['unpatched']:.4f}", _ci(r["untrained"]) if r["untrained"] else "-",
+              _ci(r["austen"]), _ci(r["mixed"]) if r["mixed"] else "not measured"] for r in rows],
+            "---|---:|---:|---:|---:|---:"))
     return ("Delta NLL against the unpatched model (nats per token) over each domain's first held-out windows of 256 "
             "tokens, 95% paired bootstrap interval over the windows; kept under `docs/results/heal/domains/` (the heal "
-            "reports, `hf-tangent eval --corpus mixed` of each patch, the patch repos).\n\n" + "\n\n".join(out))
+            "reports, `hf-tangent eval --corpus mixed` of each patch, the patch repos; the same as intervals: "
+            "`heal/domains/intervals.png`).\n\n" + "\n\n".join(out))
+
+
+def heal_domain_intervals(path: Path) -> None:
+    """The heal-domains tables as interval plots: one panel per heal, per domain the untrained patch and
+    the two heals, point and 95% interval, on a log axis (the untrained projected patch is 100x the rest)."""
+    from hf_tangent.experiments.plots import _pyplot, _save
+
+    plt = _pyplot()
+    runs = list(_heal_domain_runs())
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 3.8), squeeze=False)
+    for ax, (label, _, rows) in zip(axes[0], runs, strict=True):
+        for k, (key, name, color) in enumerate((("untrained", "untrained patch", "tab:red"),
+                                                ("austen", "healed on Austen only", "tab:blue"),
+                                                ("mixed", "healed on the mixed corpus", "tab:green"))):
+            points = [(i + (k - 1) * 0.22, r[key]) for i, r in enumerate(rows) if r[key]]
+            ax.errorbar([x for x, _ in points], [d["delta_nll"] for _, d in points], fmt="o", color=color, capsize=3,
+                        label=name, yerr=[[d["delta_nll"] - d["low"] for _, d in points],
+                                          [d["high"] - d["delta_nll"] for _, d in points]])
+        ax.axhline(HEAL_DOMAIN_TARGET, color="grey", ls="--", lw=0.8, label=f"target +{HEAL_DOMAIN_TARGET}")
+        ax.set_yscale("symlog", linthresh=0.01)  # some intervals reach below zero
+        ax.set_xticks(range(len(rows)), [r["domain"] for r in rows])
+        ax.set_ylabel("delta NLL vs unpatched (nats, symlog)")
+        ax.set_title(label, fontsize=10)
+        ax.legend(fontsize=7)
+    _save(fig, str(path))
 
 
 def heal_domains_findings() -> str:
@@ -1037,6 +1087,7 @@ REGIONS = {
     "performance-tables": performance_tables,
     "performance-notes": performance_notes,
     "main-job": main_job,
+    "main-job-table": main_job_table,
     "main-job-files": main_job_files,
     "sweep-count": sweep_count,
     "eval-table": lambda: eval_table("eval_smollm2.json"),
@@ -1105,6 +1156,17 @@ def stray_numbers(path: str, text: str) -> list[str]:
     return sorted({n for n in NUMBER.findall(text) if n.lstrip("+-") not in CONSTANTS.get(path, set())})
 
 
+def main_job_plots(folder: Path) -> None:
+    """The main job's plots (gate profile, loss curve, delta NLL per rule) from its kept report."""
+    from hf_tangent.experiments.report import Report
+
+    Report.load(RESULTS / "offline_default_smollm2.json").plot(folder)
+
+
+# Images the pages show, drawn from kept reports (not compared by --check: PNG bytes vary with matplotlib)
+IMAGES = {RESULTS / "heal" / "domains" / "intervals.png": heal_domain_intervals, RESULTS: main_job_plots}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 on any difference")
@@ -1122,6 +1184,9 @@ def main(argv=None) -> int:
         stray = stray_numbers(path, rendered)
         if stray:
             problems.append(f"{path}: numbers neither rendered from a report nor listed in CONSTANTS: {', '.join(stray)}")
+    if not args.check:
+        for path, draw in IMAGES.items():
+            draw(path)
     print("\n".join(problems) or "figures: every region matches its reports; no stray numbers")
     return 1 if problems else 0
 

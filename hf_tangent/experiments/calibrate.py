@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -44,7 +45,7 @@ from .common import (
     stacked,
     text_windows,
 )
-from .report import PAPER_MEAN_GATES, Report, register_report, variants_table
+from .report import PAPER_MEAN_GATES, Report, perplexity_text, register_report, variants_table
 from .runs import RunFolder, claim_run_folder
 
 
@@ -118,7 +119,13 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     clock = Clock()
     probe = spread(train_domains, 8)  # calibration loss before/after, same windows, from every domain
     model.to(args.device)
-    with progress_bar(progress, (len(compare_rules) + 1) * len(held_out) + len(probe), "held-out evaluation") as bar:
+    # what the run is doing, in the order it does it: the untrained baseline comes first and takes a while
+    if progress:
+        print(f"calibrate: 1/3 before training: held-out NLL of the unpatched model and {len(compare_rules)} "
+              f"untrained update rules ({len(held_out)} windows each); 2/3 training the gates "
+              f"({args.max_steps} steps); 3/3 held-out NLL with the calibrated gates", file=sys.stderr, flush=True)
+    with progress_bar(progress, (len(compare_rules) + 1) * len(held_out) + len(probe),
+                      f"before training: unpatched + {len(compare_rules)} untrained rules") as bar:
         table = evaluate_variants(model, held_out, list(compare_rules), batch_size=batch, progress=bar)
         for row in table:  # the report keeps the pooled figures
             del row["window_nll"]
@@ -130,8 +137,10 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
                    active=args.process_index == 0) as run_folder:  # the Trainer's checkpoints, maybe the patch
         trainer = train(model, lm_dataset(train_set), args)
         model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
-        gated = perplexity(model, held_out, batch_size=batch)
-        after = perplexity(model, probe, batch_size=batch)
+        with progress_bar(progress, len(held_out) + len(probe),
+                          "after training: the calibrated gates") as bar:
+            gated = perplexity(model, held_out, batch_size=batch, progress=bar)
+            after = perplexity(model, probe, batch_size=batch, progress=bar)
         gates = gate_values(trainer.model_wrapped)  # gathered: a collective too
         report = Report("calibrate", {
             "command": "calibrate", "model": name, "tangent_config": tangent.to_dict(),
@@ -195,6 +204,8 @@ def calibrate_markdown(report: dict) -> str:
         "## Held-out loss",
         calibrate_results_markdown(report),
     ]
+    if plots.drawn_rules(report["update_variants"]):
+        lines += ["![delta NLL per update rule](rule_deltas.png)", ""]
     return "\n".join(lines)
 
 
@@ -205,8 +216,8 @@ def calibrate_results_markdown(report: dict) -> str:
         "",
         "| | NLL | perplexity |",
         "|---|---:|---:|",
-        f"| natural (gates = 1) | {h['natural_nll']:.4f} | {h['natural_perplexity']:.3f} |",
-        f"| calibrated gates | {h['gated_nll']:.4f} | {h['gated_perplexity']:.3f} |",
+        f"| natural (gates = 1) | {h['natural_nll']:.4f} | {perplexity_text(h['natural_perplexity'])} |",
+        f"| calibrated gates | {h['gated_nll']:.4f} | {perplexity_text(h['gated_perplexity'])} |",
         f"| **Delta L** | **{h['delta_nll']:+.4f}** | |",
         "",
         f"Calibration windows ({c['windows']}): NLL {c['natural_nll']:.4f} natural -> {c['gated_nll']:.4f} gated.",
@@ -217,10 +228,19 @@ def calibrate_results_markdown(report: dict) -> str:
 
 
 def _plot_calibrate(data, folder):
-    curve = [tuple(point) for point in data["loss_curve"]]
-    return [plots.gate_profile({int(k): v for k, v in data["gates"].items()}, os.path.join(folder, "gate_profile.png"),
-                               title=f"Calibrated FFN gates: {data['model']}"),
-            plots.loss_curves({"gates": [curve]}, os.path.join(folder, "loss_curve.png"), title="Calibration loss")]
+    curve, c = [tuple(point) for point in data["loss_curve"]], data["calibration"]
+    # the per-batch loss moves by more than calibration changes: the same calibration windows before and
+    # after training, drawn beside it, show the change
+    levels = {f"{c['windows']} calibration windows, gates = 1": c["natural_nll"],
+              "the same windows, calibrated gates": c["gated_nll"]}
+    paths = [plots.gate_profile({int(k): v for k, v in data["gates"].items()}, os.path.join(folder, "gate_profile.png"),
+                                title=f"Calibrated FFN gates: {data['model']}"),
+             plots.loss_curves({"per-batch training loss": [curve]}, os.path.join(folder, "loss_curve.png"),
+                               title="Calibration loss", levels=levels)]
+    if plots.drawn_rules(data["update_variants"]):
+        paths.append(plots.rule_deltas(data["update_variants"], os.path.join(folder, "rule_deltas.png"),
+                                       title=f"Update rules, untrained, every layer: {data['model']}"))
+    return paths
 
 
 register_report('calibrate', calibrate_markdown, _plot_calibrate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
 from ..artifacts.identity import scored_weights
@@ -10,6 +11,7 @@ from ..core.patching import get_config, without_patch
 from ..core.wrappers import peft_model_of
 from ..ranges import DType, validated
 from ..training.data import TextSource
+from . import plots
 from .common import (
     Clock,
     Model,
@@ -109,7 +111,8 @@ def eval_markdown(report: dict) -> str:
         + (f" The unpatched row is {report['unpatched_is']}." if report.get("unpatched_is") else ""),
         "",
         variants_table(report["rows"]),
-    ] + _domains_table(report)) + "\n"
+    ] + (["", "![delta NLL per update rule](rule_deltas.png)"] if plots.drawn_rules(report["rows"]) else [])
+        + _domains_table(report)) + "\n"
 
 
 def _domains_table(report: dict) -> list[str]:
@@ -125,4 +128,10 @@ def _domains_table(report: dict) -> list[str]:
     return lines
 
 
-register_report('eval', eval_markdown)
+def _plot_eval(data, folder):
+    return [plots.rule_deltas(data["rows"], os.path.join(folder, "rule_deltas.png"),
+                              title=f"Update rules, untrained, every layer: {data['model']}")] if plots.drawn_rules(
+        data["rows"]) else []
+
+
+register_report('eval', eval_markdown, _plot_eval)

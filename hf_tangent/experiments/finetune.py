@@ -35,7 +35,7 @@ from .common import (
     stacked,
     text_windows,
 )
-from .report import Report, register_report
+from .report import Report, perplexity_text, register_report
 from .runs import RunFolder, claim_run_folder
 
 DEFAULT_RULES = ("projected", "soft beta=0.5", "norm_preserving", "retract p=2 (cayley)")
@@ -180,13 +180,14 @@ def finetune_markdown(report: dict) -> str:
         f"for every variant; seeds {report['seeds']}; {report['train_windows']} training and "
         f"{report['eval_windows']} held-out windows of {report['seq_len']} tokens; {report['seconds']} s.",
         "",
-        "| variant | seeds | held-out NLL (mean +- sd) | perplexity | delta NLL vs unpatched | delta perplexity | p (paired permutation) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | seeds | delta NLL vs unpatched (nats) | held-out NLL (mean +- sd) | perplexity | "
+        "p (paired permutation) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for s in report["summary"]:
         p = "" if s["variant"] == "unpatched" else f"{s['p_value']:.3f}"
-        lines.append(f"| {s['variant']} | {s['seeds']} | {s['nll_mean']:.4f} +- {s['nll_std']:.4f} | "
-                     f"{s['perplexity_mean']:.3f} | {s['delta_nll_mean']:+.4f} | {s['delta_perplexity_mean']:+.3f} | {p} |")
+        lines.append(f"| {s['variant']} | {s['seeds']} | {s['delta_nll_mean']:+.4f} | {s['nll_mean']:.4f} +- "
+                     f"{s['nll_std']:.4f} | {perplexity_text(s['perplexity_mean'])} | {p} |")
     lines += ["", "With n seeds the exact sign-flip test cannot go below p = 2 / 2^n.", "",
               "![training loss](loss_curves.png)"]
     return "\n".join(lines) + "\n"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+from ..training.extras import needs_recipes
+
 
 def _pyplot():
-    import matplotlib
+    with needs_recipes("plotting"):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -36,8 +39,10 @@ def gate_profile(gates: dict[int, float], path: str, title: str = "Calibrated FF
     return _save(fig, path)
 
 
-def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, title: str = "Training loss") -> str:
-    """curves: variant -> one (step, loss) list per seed; plots the seed mean with a min..max band."""
+def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, title: str = "Training loss",
+                levels: dict[str, float] | None = None) -> str:
+    """curves: variant -> one (step, loss) list per seed; plots the seed mean with a min..max band.
+    levels: named losses drawn as horizontal lines (e.g. the same windows before and after training)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for variant, runs in curves.items():
@@ -45,13 +50,41 @@ def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, tit
         table = [dict(run) for run in runs]
         values = [[t[s] for t in table if s in t] for s in steps]
         mean = [sum(v) / len(v) for v in values]
-        line, = ax.plot(steps, mean, label=variant)
+        line, = ax.plot(steps, mean, label=variant, alpha=0.6 if levels else 1.0)
         if len(runs) > 1:
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
+    for (name, value), style in zip((levels or {}).items(), ("--", "-"), strict=False):
+        ax.axhline(value, color="black", lw=1.2, ls=style, label=f"{name}: {value:.4f}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def drawn_rules(rows: list[dict]) -> list[dict]:
+    """The rows `rule_deltas` draws: every rule but the unpatched model with a finite delta NLL (a NaN or inf row,
+    e.g. an fp16 overflow, stays in the report's table)."""
+    return [r for r in rows if r["variant"] != "unpatched" and math.isfinite(r["delta_nll"]) and abs(r["delta_nll"]) < 1e6]
+
+
+def rule_deltas(rows: list[dict], path: str, title: str = "Update rules, untrained, every layer") -> str:
+    """Delta NLL against the unpatched model per update rule (drawn_rules), horizontal bars on a log scale (the
+    rules span four orders of magnitude); rows at or below 1e-4 get a stub bar and their value."""
+    plt = _pyplot()
+    rows = drawn_rules(rows)
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    shown = [max(r["delta_nll"], 1e-4) for r in rows]
+    bars = ax.barh([r["variant"] for r in rows], shown, color=["tab:grey" if r["delta_nll"] <= 1e-4 else "tab:red"
+                                                              for r in rows])
+    for bar, r in zip(bars, rows, strict=True):
+        ax.text(bar.get_width() * 1.15, bar.get_y() + bar.get_height() / 2, f"{r['delta_nll']:+.3f}",
+                va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(1e-4, max(shown) * 8)
+    ax.invert_yaxis()
+    ax.set_xlabel("delta NLL vs the unpatched model (nats per token, log scale)")
+    ax.set_title(title)
     return _save(fig, path)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ranges import plain
-from .runs import ACTIVE, KINDS, RunFolder, claim_run_folder, temporary_path, write_atomically
+from .runs import RunFolder, temporary_path, write_atomically
 
 # kind -> Markdown renderer / plot writer, filled by the experiment modules (register_report)
 MARKDOWN: dict[str, Callable[[dict], str]] = {}
@@ -32,7 +32,6 @@ def register_report(kind: str, markdown: Callable[[dict], str],
     if kind in MARKDOWN:
         raise ValueError(f"report kind {kind!r} is registered twice.")
     MARKDOWN[kind] = markdown
-    KINDS.add(kind)  # a folder holding its report.json is a run folder (runs.claim_run_folder)
     if plot is not None:
         PLOTS[kind] = plot
 
@@ -50,7 +49,7 @@ class Report:
     kind: str
     data: dict
     tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
-    # the output folder the recipe that made this report wrote into (runs.RunFolder): its files are this run's
+    # the output folder the recipe that made this report wrote into (runs.RunFolder); for the record
     run_folder: Path | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
@@ -74,14 +73,11 @@ class Report:
         return PLOTS.get(self.kind, lambda data, folder: [])(self.data, str(folder))
 
     def save(self, folder: str | os.PathLike, *, echo: bool = False) -> Path:
-        """report.json, report.md and the plots in `folder`: a new or empty folder, or the output folder
-        of an earlier run (runs.claim_run_folder), which this report then replaces whole (the folder
-        holds the latest run only: runs.py), unless it is the folder this report's own run wrote into.
-        Each file is written through a temporary name, report.json last; `echo` also prints the Markdown."""
-        claim_run_folder(folder, writer="Report.save")
-        target = Path(os.path.abspath(os.fspath(folder)))
-        own = target in ACTIVE or (self.run_folder is not None and Path(self.run_folder) == target)
-        with RunFolder(target, writer="Report.save", active=not own):
+        """report.json, report.md and the plots in `folder`, a run folder (runs.claim_run_folder): inside the
+        RunFolder of the run that made the report when it is open, else in one of its own. Each file is
+        replaced atomically (a temporary name, then os.replace), report.json last; `echo` also prints the
+        Markdown."""
+        with RunFolder(folder, writer="Report.save") as target:
             self._write(target)
         if echo:
             print(self.to_markdown())
@@ -180,11 +176,18 @@ def provenance_problems(data: dict) -> list[str]:
     return out
 
 
+def perplexity_text(p: float) -> str:
+    """A perplexity as people read it: exp(NLL) explodes for a damaged model, so two decimals below 1e4
+    and scientific notation from there on (2.93e+09, not 2926224549.558)."""
+    text = f"{p:.2f}"
+    return text if float(text) < 1e4 else f"{p:.2e}"  # 9999.996 is 1.00e+04, not 10000.00
+
+
 def variants_table(rows: list[dict]) -> str:
-    lines = ["| variant | NLL | perplexity | delta NLL | delta perplexity |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['variant']} | {r['nll']:.4f} | {r['perplexity']:.3f} | {r['delta_nll']:+.4f} | "
-                     f"{r['delta_perplexity']:+.3f} |")
+    """The rule table: the difference from the unpatched model first (nats per token: what to compare)."""
+    lines = ["| variant | delta NLL (nats) | NLL | perplexity |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['delta_nll']:+.4f} | {r['nll']:.4f} | {perplexity_text(r['perplexity'])} |"
+              for r in rows]
     return "\n".join(lines)
 
 
