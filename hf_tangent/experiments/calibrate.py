@@ -134,7 +134,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded
     freeze_all_but_gates(model)
     with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates", resume=args.resume_from_checkpoint,
-                   active=args.process_index == 0) as run_folder:  # the Trainer's checkpoints, maybe the patch
+                   active=args.process_index == 0):  # the Trainer's checkpoints, maybe the patch
         trainer = train(model, lm_dataset(train_set), args)
         model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective
         with progress_bar(progress, len(held_out) + len(probe),
@@ -153,7 +153,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
             "calibration": {"natural_nll": before["nll"], "gated_nll": after["nll"], "windows": len(probe)},
             "update_variants": table, "loss_curve": loss_curve(trainer), "seconds": clock.seconds,
             **environment(args.device.type, dtype, args.seed, model=weights, text=text, read=read),
-        }, run_folder=run_folder)
+        })
         card = {"title": f"{report['model']} with calibrated FFN gates (hf_tangent)",
                 "training": training_card(report.data), "results": calibrate_results_markdown(report.data),
                 "notes": "Gates trained with all model weights frozen (hf_tangent `calibrate`)."}

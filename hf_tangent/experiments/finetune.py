@@ -166,7 +166,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
             "lora": {"r": lora.r, "alpha": lora.alpha, "targets": list(lora.targets)} if method == "lora" else None},
         "summary": finetune_summary(runs), "runs": runs, "seconds": clock.seconds,
         **environment(args.device.type, dtype, args.seed, model=weights, text=text, read=read),
-    }, run_folder=os.path.abspath(args.output_dir))
+    })
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

@@ -272,7 +272,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
         "domains": domains,
         "runs": runs, "seconds": clock.seconds,
         **environment(args.device.type, dtype, args.seed), **provenance,
-    }, run_folder=os.path.abspath(args.output_dir))
+    })
 
 
 # The rendering of its reports (Markdown, plots): report.py keeps one table of kinds.

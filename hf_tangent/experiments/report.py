@@ -15,7 +15,7 @@ import numbers
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..ranges import plain
@@ -49,8 +49,6 @@ class Report:
     kind: str
     data: dict
     tensors: dict | None = None  # named tensors saved beside report.json as data["directions_file"] (safetensors)
-    # the output folder the recipe that made this report wrote into (runs.RunFolder); for the record
-    run_folder: Path | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in MARKDOWN:

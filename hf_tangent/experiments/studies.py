@@ -250,8 +250,7 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
         "seconds": round(time.time() - start, 1), "threads": torch.get_num_threads(),
         "train_windows": len(train_windows), "val_windows": len(val_windows), "data": data or "user documents",
         "versions": versions(), "text_provenance": {"training": documents_digest({"train": list(train_docs)}),
-                                                    "evaluation": documents_digest({"validation": list(val_docs)})}},
-        run_folder=os.path.abspath(output_dir))
+                                                    "evaluation": documents_digest({"validation": list(val_docs)})}})
 
 
 def merge_reports(reports: list[dict]) -> dict:
