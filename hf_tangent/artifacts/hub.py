@@ -9,7 +9,8 @@ remote code shipped in the folder (`auto_map`). So a loader that does not run th
 own error instead of loading the unpatched base; `trust_remote_code=True` loads it patched without
 hf_tangent installed, and `ht.from_pretrained` loads it with hf_tangent.
 
-The remote code is hf_tangent's own config / rules / registry / patching modules, copied next to a
+The remote code is the part of hf_tangent's core a patched forward needs (destinations.SHIPPED_CORE_MODULES:
+config, rules, the layer, registry, patching from the saved spec), copied next to a
 generated `configuration_hf_tangent.py` (the base config class under the new model_type) and
 `modeling_hf_tangent.py` (the base model class, which patches itself in `__init__`).
 """
@@ -23,7 +24,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from ..core.destinations import REMOTE_GENERATED_FILES, check_destination, core_modules, replacing
+from ..core.destinations import REMOTE_GENERATED_FILES, SHIPPED_CORE_MODULES, check_destination, replacing
 from ..core.patching import CONFIG_KEY, get_config, register_patched_format
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from ..core.wrappers import full_state_dict, model_class, unwrap
@@ -33,9 +34,7 @@ from .serialization import save_pretrained
 
 CORE_PACKAGE = "hf_tangent.core"  # the package whose modules ship as remote code
 REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE = REMOTE_GENERATED_FILES
-# the core's modules, copied beside the two generated files (listed from the folder, not kept by hand)
-REMOTE_CODE_MODULES = core_modules()
-_SHIPPED_LINE = "SHIPPED_CORE_MODULES: tuple[str, ...] | None = None\n"  # in destinations.py
+REMOTE_CODE_MODULES = SHIPPED_CORE_MODULES  # the core modules copied beside the two generated files
 
 
 def core_imports() -> str:
@@ -44,14 +43,10 @@ def core_imports() -> str:
 
 
 def _copy_core(folder: Path) -> None:
-    """Copy the core's modules into a patched folder; destinations.py carries the list it was shipped with."""
     for name in REMOTE_CODE_MODULES:
-        text = (resources.files(CORE_PACKAGE) / name).read_text(encoding="utf-8")
-        if name == "destinations.py":
-            if text.count(_SHIPPED_LINE) != 1:
-                raise RuntimeError("hf_tangent: destinations.py has no SHIPPED_CORE_MODULES line to fill (hub.py).")
-            text = text.replace(_SHIPPED_LINE, f"SHIPPED_CORE_MODULES: tuple[str, ...] | None = {REMOTE_CODE_MODULES!r}\n")
-        (folder / name).write_text(text, encoding="utf-8")
+        (folder / name).write_text((resources.files(CORE_PACKAGE) / name).read_text(encoding="utf-8"), encoding="utf-8")
+
+
 CARD_TEMPLATE = "hf_tangent_model_card.md"  # in the package data hf_tangent.model_cards (the top-level model_cards/)
 
 _CONFIG_TEMPLATE = '''"""hf_tangent remote code: the config of a {base_config} model patched by hf_tangent.

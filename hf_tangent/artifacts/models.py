@@ -3,12 +3,11 @@ folders (patched folders and patch repos are loaded patched), hub ids."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
+from safetensors import SafetensorError
 
-from ..core.registry import CONFIG_KEY
 from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
     DEFAULT_MODEL,
     OFFLINE_MODELS,
@@ -23,14 +22,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: the names users and reci
 )
 from .loading import from_pretrained, is_patch_repo, read_record
 from .offline import needs_hub
-
-
-def _is_patched_folder(name: str) -> bool:
-    try:
-        with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
-            return CONFIG_KEY in json.load(f)
-    except FileNotFoundError:
-        return False
+from .serialization import holds_record
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
@@ -52,8 +44,11 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
             base = read_record(name)["base"]["name_or_path"]
             source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
         elif os.path.isdir(name):
-            model = from_pretrained(name, **kwargs) if _is_patched_folder(name) else \
-                AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            try:
+                model = from_pretrained(name, **kwargs) if holds_record(name, strict=True) else \
+                    AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            except SafetensorError as err:  # not an OSError: the command line would print a traceback
+                raise RuntimeError(f"hf_tangent: could not load model '{name}': a weights file is damaged ({err}).") from err
         else:
             try:
                 with needs_hub(f"the model {name!r} (not an offline name nor a local folder: a hub id)", "model"):

@@ -25,10 +25,12 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
+from ..core import destinations
 from ..core._version import __version__
 from ..core.config import TangentConfig
-from ..core.destinations import ADAPTER_PEFT_TYPE, ADAPTER_RECORD_FILE, check_destination, replacing
+from ..core.destinations import ADAPTER_PEFT_TYPE, ADAPTER_RECORD_FILE, PATCH_RECORD_FILE, check_destination, replacing
 from ..core.discovery import decoder_layers
 from ..core.patching import CONFIG_KEY, PATCHED_BASE_NAME, get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
@@ -37,13 +39,10 @@ from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import is_hub_id, save_hub_folder, upload
 from .offline import hub_error, unreachable
-from .serialization import _check_record, transformers_class
+from .serialization import _check_record, holds_record, resolve_file, transformers_class
 
-RECORD_FILE = "hf_tangent_patch.json"  # formats 1 and 2 (hf_tangent 0.3 to 0.4): read, no longer written
 GATES_FILE = "gates.safetensors"
-ADAPTER_CONFIG = ADAPTER_RECORD_FILE  # format 3: a PEFT adapter folder (artifacts/adapter: TangentPeftConfig)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_TYPE = ADAPTER_PEFT_TYPE
 _GATE_KEY = re.compile(r"base_model\.model\.(?P<layers>.+)\.(?P<index>\d+)\.tangent_patch\.peft\.hf_tangent_gate")
 ADAPTER_FOLDER = "adapter"
 CARD_FILE = "README.md"
@@ -71,7 +70,7 @@ def patch_record(model, *, base_model: str | None = None, revision: str | None =
     if not name:
         raise ValueError("hf_tangent.save_patch: the model does not say which checkpoint it was loaded from "
                          "(config._name_or_path is empty); pass base_model='hub-id-or-folder'.")
-    if base_model is None and (hasattr(type(base.config), BASE_TYPE_ATTR) or _holds_patch(name)):
+    if base_model is None and (hasattr(type(base.config), BASE_TYPE_ATTR) or holds_record(name)):
         raise ValueError(f"hf_tangent.save_patch: the model was loaded from {name!r}, a complete patched folder, but a "
                          "patch repo points at an unpatched base, which it is loaded onto; pass base_model= (the hub id "
                          "or folder of the unpatched checkpoint), or share the complete folder (save_pretrained).")
@@ -105,21 +104,13 @@ def lora_model_of(model):
     a PEFT model of the tangent adapter itself is the patch (its gates are the patch's)."""
     peft = peft_model_of(model)
     configs = getattr(peft, "peft_config", None) or {}
-    if peft is None or all(c.peft_type == PEFT_TYPE for c in configs.values()):
+    if peft is None or all(c.peft_type == ADAPTER_PEFT_TYPE for c in configs.values()):
         return None
     if peft_model_of(peft.get_base_model()) is not None:
         raise ValueError("hf_tangent.save_patch: a PEFT model around a PEFT model (LoRA on a tangent PeftModel); its "
                          "adapters would not load back. Train LoRA on ht.patch(model, cfg), or merge_and_unload() the "
                          "tangent adapter first.")
     return peft
-
-
-def _holds_patch(name: str) -> bool:
-    """True for a local folder whose config.json carries a patch record (a complete patched folder)."""
-    try:
-        return CONFIG_KEY in json.loads((Path(name) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def save_patch(model, folder: str | os.PathLike, *, base_model: str | None = None, revision: str | None = None,
@@ -195,9 +186,9 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if peft_model is not None:
             peft_model.save_pretrained(staging / ADAPTER_FOLDER, safe_serialization=True)
-            _unloadable_alone(staging / ADAPTER_FOLDER / "adapter_config.json")
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record), indent=2, sort_keys=True) + "\n",
-                                              encoding="utf-8")
+            _unloadable_alone(staging / ADAPTER_FOLDER / ADAPTER_RECORD_FILE)
+        (staging / ADAPTER_RECORD_FILE).write_text(json.dumps(adapter_config(record), indent=2, sort_keys=True) + "\n",
+                                                   encoding="utf-8")
         (staging / CARD_FILE).write_text(_card(record, card or {}, name or os.fspath(folder)), encoding="utf-8")
     return folder
 
@@ -205,7 +196,7 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
 def adapter_config(record: dict) -> dict:
     """adapter_config.json of a patch repo (format 3): what `TangentPeftConfig.to_dict()` writes for the patch."""
     base, patch_fields = record["base"], record["patch"]
-    return {"peft_type": PEFT_TYPE, "task_type": "CAUSAL_LM", "inference_mode": True, "auto_mapping": None,
+    return {"peft_type": ADAPTER_PEFT_TYPE, "task_type": "CAUSAL_LM", "inference_mode": True, "auto_mapping": None,
             "base_model_name_or_path": base["name_or_path"], "revision": base.get("revision"),
             "peft_version": _peft_version(), "format": FORMAT, "patch": patch_fields["config"], "base": base,
             "homotopy": patch_fields.get("homotopy"), "lora": record["adapters"]}
@@ -342,36 +333,31 @@ def push_patch(model, repo_id: str, *, base_model: str | None = None, revision: 
         base_model, revision, card: as `save_patch`.
         token, private, commit_message: passed to huggingface_hub.
     Returns the upload's commit info."""
-    return upload(model, repo_id, ADAPTER_CONFIG, "hf_tangent.push_patch: {folder} is not a patch folder",
+    return upload(model, repo_id, ADAPTER_RECORD_FILE, "hf_tangent.push_patch: {folder} is not a patch folder",
                   lambda m, tmp: _save_patch(m, Path(tmp) / "patch", base_model=base_model, revision=revision, card=card,
                                              name=repo_id),
                   token=token, private=private, commit_message=commit_message)
 
 
 # ----------------------------------------------------------------------------- reading
-_WEIGHT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_FILE_ERRORS = (PatchRepoError, {"unreadable": "hf_tangent: {path!s}: {name} could not be read ({err}).",
+                                  "not a file": "hf_tangent: {path!s}: {name} is not a file ({found}).",
+                                  "missing": "hf_tangent: {path!s}: {name} is missing."})
 
 
 def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None:
-    from transformers.utils import cached_file
-
+    """serialization.resolve_file with a patch repo's errors; an entry of that name that is no file is refused even where
+    `required` is False, and a hub id the Hub does not answer for is the Hub's error."""
     local = Path(str(path)) / name
     if local.exists() and not local.is_file():
         raise PatchRepoError(f"hf_tangent: {path!s}: {name} is not a file.")
     try:
-        found = cached_file(str(path), name, _raise_exceptions_for_missing_entries=required, **hub_kwargs)
-    except (OSError, ValueError) as err:
-        if not required:
-            return None
-        reason = unreachable(err)
+        return resolve_file(path, name, required=required, errors=_FILE_ERRORS, **hub_kwargs)
+    except PatchRepoError as err:
+        reason = unreachable(err.__cause__)
         if reason is not None:  # a hub id: the Hub is not reached, not a damaged repo
-            raise hub_error(f"reading the patch repo {str(path)!r}", "load", reason) from err
-        raise PatchRepoError(f"hf_tangent: {path!s}: {name} could not be read ({err}).") from err
-    if found is not None and not os.path.isfile(found):
-        raise PatchRepoError(f"hf_tangent: {path!s}: {name} is not a file ({found}).")
-    if found is None and required:
-        raise PatchRepoError(f"hf_tangent: {path!s}: {name} is missing.")
-    return found
+            raise hub_error(f"reading the patch repo {str(path)!r}", "load", reason) from err.__cause__
+        raise
 
 
 def _is_tangent_adapter(config_file: str | None) -> bool:
@@ -383,16 +369,16 @@ def _is_tangent_adapter(config_file: str | None) -> bool:
             data = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return True
-    return not isinstance(data, dict) or data.get("peft_type") == PEFT_TYPE
+    return not isinstance(data, dict) or data.get("peft_type") == ADAPTER_PEFT_TYPE
 
 
 def _record_file(path, **hub_kwargs) -> str | None:
     """The file that holds a patch repo's record (format 3: adapter_config.json of peft_type HF_TANGENT;
     1 and 2: hf_tangent_patch.json), None for anything else."""
-    adapter = _file(path, ADAPTER_CONFIG, required=False, **hub_kwargs)
+    adapter = _file(path, ADAPTER_RECORD_FILE, required=False, **hub_kwargs)
     if _is_tangent_adapter(adapter):
         return adapter
-    return _file(path, RECORD_FILE, required=False, **hub_kwargs)
+    return _file(path, PATCH_RECORD_FILE, required=False, **hub_kwargs)
 
 
 def is_patch_repo(path, **hub_kwargs) -> bool:
@@ -401,7 +387,7 @@ def is_patch_repo(path, **hub_kwargs) -> bool:
     record = _record_file(path, **hub_kwargs)
     if record is None:
         return False
-    weights = [name for name in _WEIGHT_FILES if _file(path, name, required=False, **hub_kwargs) is not None]
+    weights = [name for name in destinations.MODEL_FILES if _file(path, name, required=False, **hub_kwargs) is not None]
     if weights:  # a Hub repo that once held a complete folder and was pushed a patch repo, or the reverse
         raise PatchRepoError(f"hf_tangent: {path!s} holds both a patch record ({os.path.basename(record)}) and a complete model "
                              f"({', '.join(weights)}), so it is not clear which to load; keep one of them.")
@@ -409,14 +395,17 @@ def is_patch_repo(path, **hub_kwargs) -> bool:
 
 
 def _expect(fail, value, kinds, field: str, accepted: str):
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        fail(f"field '{field}' must be {accepted}, got {value!r}.")
-    if not isinstance(value, kinds):
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in (
+            kinds if isinstance(kinds, tuple) else (kinds,)):
         fail(f"field '{field}' must be {accepted}, got {value!r}.")
     return value
 
 
-def _check_base(fail, base, version: int) -> None:
+def check_base_fields(base, where: str, version: int = 3) -> None:
+    """The `base` of a record (by default format 3's, in adapter_config.json), checked field by field (PatchRepoError)."""
+    def fail(message):
+        raise PatchRepoError(f"hf_tangent: {where}: {message}")
+
     if not isinstance(base, dict):
         fail(f"field 'base' must be a JSON object, got {base!r}.")
     fields = {"name_or_path": (str, "a non-empty string"), "source": (str, "'hub', 'local' or 'offline'"),
@@ -468,25 +457,17 @@ def read_record(path, **hub_kwargs) -> dict:
     refused (PatchRepoError naming the file and the field)."""
     where = _record_file(path, **hub_kwargs)
     if where is None:
-        _file(path, ADAPTER_CONFIG, **hub_kwargs)  # a hub id the Hub does not answer for: the Hub's error first
-        raise PatchRepoError(f"hf_tangent: {path!s} is not a patch repo: it holds no {ADAPTER_CONFIG} of an hf_tangent "
-                             f"adapter (peft_type {PEFT_TYPE}) and no {RECORD_FILE} (the format before).")
+        _file(path, ADAPTER_RECORD_FILE, **hub_kwargs)  # a hub id the Hub does not answer for: the Hub's error first
+        raise PatchRepoError(f"hf_tangent: {path!s} is not a patch repo: it holds no {ADAPTER_RECORD_FILE} of an hf_tangent "
+                             f"adapter (peft_type {ADAPTER_PEFT_TYPE}) and no {PATCH_RECORD_FILE} (the format before).")
     try:
         with open(where, encoding="utf-8") as f:
             record = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise PatchRepoError(f"hf_tangent: {where}: not a valid JSON file ({err}).") from None
-    if where.endswith(ADAPTER_CONFIG):
+    if where.endswith(ADAPTER_RECORD_FILE):
         record = _record_of_adapter(record, where)
     return check_record(record, where)
-
-
-def check_base_fields(base, where: str) -> None:
-    """The `base` of a format-3 record (adapter_config.json), checked field by field (PatchRepoError)."""
-    def fail(message):
-        raise PatchRepoError(f"hf_tangent: {where}: {message}")
-
-    _check_base(fail, base, 3)
 
 
 def check_record(record, where: str) -> dict:
@@ -513,7 +494,7 @@ def check_record(record, where: str) -> dict:
     _expect(fail, record["hf_tangent_version"], str, "hf_tangent_version", "a version string")
     if not record["hf_tangent_version"].strip():
         fail("field 'hf_tangent_version' must be a version string, got ''.")
-    _check_base(fail, record["base"], version)
+    check_base_fields(record["base"], where, version)
     try:
         _check_record(record["patch"], where)
         TangentConfig.from_dict(record["patch"]["config"], strict=True)
@@ -540,7 +521,7 @@ def _load_base(base: dict, base_model: str | None, base_revision: str | None, kw
             if "Unrecognized configuration class" not in str(err) or recorded is None:
                 raise
             return recorded.from_pretrained(name, revision=revision, **kwargs), name
-    except (OSError, RuntimeError, ValueError) as err:
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:  # SafetensorError: a truncated weights file
         raise PatchRepoError(f"hf_tangent: the patch's base model {name!r}" + (f" (revision {revision})" if revision else "")
                              + f" could not be loaded ({err}); pass base_model= to load it from a local copy.") from err
 
@@ -698,7 +679,7 @@ def _adapter_files(path, hub_kwargs: dict) -> None:
         if pickles:
             raise PatchRepoError(f"hf_tangent: {folder}: holds {', '.join(pickles)}; hf_tangent loads adapters from "
                                  "safetensors only (a pickle can run code when loaded). Remove the file(s).")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in (ADAPTER_RECORD_FILE, ADAPTER_WEIGHTS):
         _file(path, f"{ADAPTER_FOLDER}/{name}", **hub_kwargs)
 
 

@@ -35,21 +35,44 @@ def _fail(where, message: str):
     raise ValueError(f"hf_tangent.from_pretrained: {where}: {message}")
 
 
-def _file(path, name: str, *, required: bool = True, **hub_kwargs) -> str | None:
-    """A file of a local folder or of a hub repository (downloaded and cached by transformers)."""
+# How a complete folder's reader words a file it cannot use ({path}, {name}, {err}, {found}): patch_repo.py words its own
+_FOLDER_FILE_ERRORS = (ValueError, {
+    "unreadable": "hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo ({err}).",
+    "not a file": "hf_tangent.from_pretrained: {path!s}: {name} is not a file ({found}).",
+    "missing": "hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo (no {name})."})
+
+
+def resolve_file(path, name: str, *, required: bool = True, errors=_FOLDER_FILE_ERRORS, **hub_kwargs) -> str | None:
+    """A file of a local folder or of a hub repository (downloaded and cached by transformers), None where it is
+    missing and not `required`; `errors`: (the exception class, its messages) of the reader."""
     from transformers.utils import cached_file
 
+    error, messages = errors
     try:
         found = cached_file(str(path), name, _raise_exceptions_for_missing_entries=required, **hub_kwargs)
     except (OSError, ValueError) as err:  # ValueError: not a valid repo id either (transformers 4.x)
         if not required:
             return None
-        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo ({err}).") from err
+        raise error(messages["unreadable"].format(path=path, name=name, err=err)) from err
     if found is not None and not os.path.isfile(found):
-        _fail(path, f"{name} is not a file ({found}).")
+        raise error(messages["not a file"].format(path=path, name=name, found=found))
     if found is None and required:
-        raise ValueError(f"hf_tangent.from_pretrained: {path!s} is not a saved model folder or hub repo (no {name}).")
+        raise error(messages["missing"].format(path=path, name=name))
     return found
+
+
+def holds_record(folder, *, strict: bool = False) -> bool:
+    """True when `folder`'s config.json carries a patch record (a complete patched folder); False without a
+    config.json, and for one that cannot be read (its error where `strict`)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return CONFIG_KEY in json.load(f)
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, TypeError):
+        if strict:
+            raise
+        return False
 
 
 def _check_record(record, where: str) -> dict:
@@ -95,7 +118,7 @@ def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict
     """(config.json's path, its contents, its checked "hf_tangent" record) of a saved folder or hub repo."""
     from transformers import PretrainedConfig
 
-    config_file = _file(path, "config.json", **hub_kwargs)
+    config_file = resolve_file(path, "config.json", **hub_kwargs)
     try:  # transformers' own reader: it decodes the floats JSON cannot hold ({"__float__": "Infinity"})
         data = PretrainedConfig._dict_from_json_file(config_file)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -146,9 +169,9 @@ def _base_config(data: dict, record: dict, where: str, model_class):
 
 
 def _weight_files(path, **hub_kwargs) -> list[str]:
-    index_file = _file(path, "model.safetensors.index.json", required=False, **hub_kwargs)
+    index_file = resolve_file(path, "model.safetensors.index.json", required=False, **hub_kwargs)
     if not index_file:
-        single = _file(path, "model.safetensors", required=False, **hub_kwargs)
+        single = resolve_file(path, "model.safetensors", required=False, **hub_kwargs)
         if single is None:
             _fail(path, "no model.safetensors (or index) in the folder; hf_tangent saves safetensors only.")
         return [single]
@@ -157,7 +180,7 @@ def _weight_files(path, **hub_kwargs) -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
         _fail(index_file, f"not a safetensors index with a 'weight_map' ({err!r}).")
-    return [_file(path, name, **hub_kwargs) for name in names]
+    return [resolve_file(path, name, **hub_kwargs) for name in names]
 
 
 def _saved_gates(path: str | os.PathLike, **hub_kwargs) -> dict[int, tuple[str, torch.Tensor]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import re
 import textwrap
@@ -146,6 +147,47 @@ def preflight(*groups, output_dir: str | None = None, device: str | None = None)
             raise CommandError("pass --text-files or --dataset, not both.")
     if output_dir is not None:
         check_output_dir(output_dir)
+
+
+def experiment_command(subparsers, name: str, options_class, help: str, func, docs: str | None = None):
+    """A command that runs one experiment on held-out text: the model, the text, the run and its own options."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, options_class), help, func,
+                       docs=docs)
+
+
+def run_experiment(args, experiment, *, options=dataclasses.asdict, text=lambda text, own: text_source(text)) -> int:
+    """Run `experiment` (a function of experiments/) for an experiment_command: the model, the text (`text`), the
+    run's shared sizes it takes, and `options(own)` (default: every field of the command's own options, under its
+    name); its report saved into --output_dir."""
+    model, text_args, run, own = dataclasses_of(args.parser, args)
+    preflight(text_args, run, own, output_dir=run.output_dir, device=run.device)
+    shared = {"seq_len": text_args.seq_len, "max_windows": text_args.max_windows, "batch_size": run.batch_size,
+              "dtype": model.dtype, "device": run.device, "seed": run.seed}
+    taken = inspect.signature(experiment).parameters
+    report = experiment(model.model, text=text(text_args, own), **{k: v for k, v in shared.items() if k in taken},
+                        **options(own))
+    report.save(run.output_dir, echo=True)
+    return 0
+
+
+def training_command(subparsers, name: str, options_class, training_class, help: str, func, docs: str | None = None):
+    """A command that trains: the model, the held-out and the training text, its own options, the Trainer's."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, CalibrationTextArguments, options_class,
+                                          training_class), help, func, docs=docs)
+
+
+def run_training(args, experiment, options) -> int:
+    """Run `experiment` for a training_command: the model, the text, the sizes, the TrainingArguments and
+    `options(own, training)`; the report saved into --output_dir by the main process."""
+    model, text, calibration, own, training = dataclasses_of(args.parser, args)
+    kwargs = options(own, training)
+    preflight(text, calibration, training, output_dir=training.output_dir)
+    report = experiment(model.model, text=text_source(text, calibration), seq_len=text.seq_len,
+                        max_windows=text.max_windows, train_windows=calibration.train_windows, training_args=training,
+                        dtype=model.dtype, **kwargs)
+    if training.process_index == 0:
+        report.save(training.output_dir, echo=True)
+    return 0
 
 
 # ----------------------------------------------------------------------------- smoke size

@@ -9,17 +9,7 @@ from dataclasses import dataclass, field
 
 from ..analysis.evaluation import update_variants
 from ..training.trainer import TangentTrainingArguments
-from .arguments import (
-    CalibrationTextArguments,
-    Checked,
-    CommandError,
-    EvalTextArguments,
-    ModelArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, CommandError, run_training, training_command
 
 
 @dataclass
@@ -38,10 +28,9 @@ class CalibrateArguments(Checked):
 
 
 def calibrate_command_parser(subparsers):
-    return add_command(subparsers, "calibrate", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
-                                                 CalibrateArguments, TangentTrainingArguments),
-                       "train one scalar FFN gate per layer, all weights frozen", calibrate_command,
-                       docs="math.md#5-layerwise-ffn-gates")
+    return training_command(subparsers, "calibrate", CalibrateArguments, TangentTrainingArguments,
+                            "train one scalar FFN gate per layer, all weights frozen", calibrate_command,
+                            docs="math.md#5-layerwise-ffn-gates")
 
 
 def hub_target(training) -> str | None:
@@ -58,16 +47,11 @@ def hub_target(training) -> str | None:
 def calibrate_command(args) -> int:
     from ..experiments.calibrate import calibrate_gates
 
-    model, text, calibration, options, training = dataclasses_of(args.parser, args)
-    preflight(text, calibration, training, output_dir=training.output_dir)
-    repo = hub_target(training)
-    report = calibrate_gates(model.model, text=text_source(text, calibration), update=options.update,
-                             layers=options.layers, compare_rules=options.compare_updates, seq_len=text.seq_len,
-                             max_windows=text.max_windows, train_windows=calibration.train_windows,
-                             training_args=training, dtype=model.dtype, push_to_hub=repo,
-                             hub_private=bool(training.hub_private_repo),
-                             save_patch=f"{training.output_dir}/patch" if options.save_patch or repo else None,
-                             save_model=f"{training.output_dir}/model" if options.save_full_model else None)
-    if training.process_index == 0:
-        report.save(training.output_dir, echo=True)
-    return 0
+    def options(own, training):
+        repo = hub_target(training)
+        return dict(update=own.update, layers=own.layers, compare_rules=own.compare_updates, push_to_hub=repo,
+                    hub_private=bool(training.hub_private_repo),
+                    save_patch=f"{training.output_dir}/patch" if own.save_patch or repo else None,
+                    save_model=f"{training.output_dir}/model" if own.save_full_model else None)
+
+    return run_training(args, calibrate_gates, options)

@@ -9,16 +9,7 @@ from typing import ClassVar, Literal
 from ..analysis.geometry import FIELDS
 from ..experiments.geometry import CRITICAL_RANGES
 from ..ranges import Range
-from .arguments import (
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    RunArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, experiment_command, run_experiment
 
 
 @dataclass
@@ -44,20 +35,12 @@ class CriticalArguments(Checked):
 
 
 def critical_command_parser(subparsers):
-    return add_command(subparsers, "critical", (ModelArguments, EvalTextArguments, RunArguments, CriticalArguments),
-                       "critical directions of the reduced fields and their tangent-Jacobian types",
-                       critical_command, docs="geometry.md")
+    return experiment_command(subparsers, "critical", CriticalArguments,
+                              "critical directions of the reduced fields and their tangent-Jacobian types",
+                              critical_command, docs="geometry.md")
 
 
 def critical_command(args) -> int:
     from ..experiments.geometry import critical
 
-    model, text, run, options = dataclasses_of(args.parser, args)
-    preflight(text, run, output_dir=run.output_dir, device=run.device)
-    report = critical(model.model, text=text_source(text), layers=options.layers, fields=options.fields,
-                      protocol=options.protocol, random_starts=options.random_starts, token_starts=options.token_starts,
-                      steps=options.steps, threshold=options.threshold, tol=options.tol, max_iter=options.max_iter,
-                      rel_tol=options.rel_tol, seq_len=text.seq_len,
-                      max_windows=text.max_windows, dtype=model.dtype, device=run.device, seed=run.seed)
-    report.save(run.output_dir, echo=True)
-    return 0
+    return run_experiment(args, critical)

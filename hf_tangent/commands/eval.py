@@ -6,16 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..analysis.evaluation import update_variants
-from .arguments import (
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    RunArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, experiment_command, run_experiment, text_source
 
 
 @dataclass
@@ -31,17 +22,12 @@ class EvalArguments(Checked):
 
 
 def eval_command_parser(subparsers):
-    return add_command(subparsers, "eval", (ModelArguments, EvalTextArguments, RunArguments, EvalArguments),
-                       "perplexity of the unpatched model and of each update rule on held-out text", eval_command)
+    return experiment_command(subparsers, "eval", EvalArguments,
+                              "perplexity of the unpatched model and of each update rule on held-out text", eval_command)
 
 
 def eval_command(args) -> int:
     from ..experiments.evaluate import evaluate_rules
 
-    model, text, run, options = dataclasses_of(args.parser, args)
-    preflight(text, run, output_dir=run.output_dir, device=run.device)
-    report = evaluate_rules(model.model, text=text_source(text, corpus=options.corpus), rules=options.updates, seq_len=text.seq_len,
-                            max_windows=text.max_windows, batch_size=run.batch_size, dtype=model.dtype,
-                            device=run.device, seed=run.seed)
-    report.save(run.output_dir, echo=True)
-    return 0
+    return run_experiment(args, evaluate_rules, options=lambda own: {"rules": own.updates},
+                          text=lambda text, own: text_source(text, corpus=own.corpus))

@@ -8,16 +8,7 @@ from typing import ClassVar
 
 from ..experiments.geometry import FFN_JACOBIAN_RANGES
 from ..ranges import Range
-from .arguments import (
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    RunArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, experiment_command, run_experiment
 
 
 @dataclass
@@ -32,18 +23,12 @@ class FfnJacobianArguments(Checked):
 
 
 def ffn_jacobian_command_parser(subparsers):
-    return add_command(subparsers, "ffn-jacobian", (ModelArguments, EvalTextArguments, RunArguments, FfnJacobianArguments),
-                       "FFN Jacobian, activation gain and keys/values view per layer",
-                       ffn_jacobian_command, docs="geometry.md")
+    return experiment_command(subparsers, "ffn-jacobian", FfnJacobianArguments,
+                              "FFN Jacobian, activation gain and keys/values view per layer", ffn_jacobian_command,
+                              docs="geometry.md")
 
 
 def ffn_jacobian_command(args) -> int:
     from ..experiments.geometry import ffn_jacobian
 
-    model, text, run, options = dataclasses_of(args.parser, args)
-    preflight(text, run, output_dir=run.output_dir, device=run.device)
-    report = ffn_jacobian(model.model, text=text_source(text), layers=options.layers, tokens=options.tokens,
-                          top_k=options.top_k, ablation_report=options.ablation_report, seq_len=text.seq_len,
-                          max_windows=text.max_windows, dtype=model.dtype, device=run.device, seed=run.seed)
-    report.save(run.output_dir, echo=True)
-    return 0
+    return run_experiment(args, ffn_jacobian)

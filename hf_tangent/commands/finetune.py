@@ -8,16 +8,7 @@ from typing import ClassVar, Literal
 from ..analysis.evaluation import update_variants
 from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings
 from ..ranges import Range, at_least
-from .arguments import (
-    CalibrationTextArguments,
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, run_training, training_command
 
 
 @dataclass
@@ -39,21 +30,14 @@ class FinetuneArguments(Checked):
 
 
 def finetune_command_parser(subparsers):
-    return add_command(subparsers, "finetune", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
-                                                FinetuneArguments, FinetuneTrainingArguments),
-                       "the same fine-tuning for the unpatched model and each update rule; perplexity deltas",
-                       finetune_command)
+    return training_command(subparsers, "finetune", FinetuneArguments, FinetuneTrainingArguments,
+                            "the same fine-tuning for the unpatched model and each update rule; perplexity deltas",
+                            finetune_command)
 
 
 def finetune_command(args) -> int:
     from ..experiments.finetune import finetune
 
-    model, text, calibration, options, training = dataclasses_of(args.parser, args)
-    preflight(text, calibration, training, output_dir=training.output_dir)
-    report = finetune(model.model, text=text_source(text, calibration), rules=options.updates, seeds=options.seeds,
-                      method=options.method, lora=LoraSettings(options.lora_r, options.lora_alpha, tuple(options.lora_targets)),
-                      seq_len=text.seq_len, max_windows=text.max_windows, train_windows=calibration.train_windows,
-                      training_args=training, dtype=model.dtype, save_models=options.save_models)
-    if training.process_index == 0:
-        report.save(training.output_dir, echo=True)
-    return 0
+    return run_training(args, finetune, lambda own, training: dict(
+        rules=own.updates, seeds=own.seeds, method=own.method, save_models=own.save_models,
+        lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets))))

@@ -10,17 +10,7 @@ from ..analysis.evaluation import update_variants
 from ..experiments.finetune import LoraSettings
 from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments
 from ..ranges import Range, at_least
-from .arguments import (
-    CalibrationTextArguments,
-    Checked,
-    CommandError,
-    EvalTextArguments,
-    ModelArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, CommandError, run_training, training_command
 
 _RULES = [name for name, config in update_variants().items() if config is not None]
 
@@ -58,29 +48,24 @@ class HealArguments(Checked):
 
 
 def heal_command_parser(subparsers):
-    return add_command(subparsers, "heal", (ModelArguments, EvalTextArguments, CalibrationTextArguments,
-                                            HealArguments, HealTrainingArguments),
-                       "distil a patched model from its unpatched self (KL, homotopy); NLL before / after",
-                       heal_command)
+    return training_command(subparsers, "heal", HealArguments, HealTrainingArguments,
+                            "distil a patched model from its unpatched self (KL, homotopy); NLL before / after",
+                            heal_command)
 
 
 def heal_command(args) -> int:
     from ..experiments.heal import heal
 
-    model, text, calibration, options, training = dataclasses_of(args.parser, args)
-    try:
-        tangent = dataclasses.replace(update_variants()[options.update], layers=options.layers,
-                                      parallel_layers=tuple(options.parallel_layers or ()))
-        settings = HealSettings(options.method, options.temperature, options.lm_weight, options.homotopy_fraction,
-                                options.schedule, options.stages)
-    except ValueError as err:
-        raise CommandError(str(err)) from err
-    preflight(text, calibration, training, output_dir=training.output_dir)
-    report = heal(model.model, tangent, text=text_source(text, calibration), settings=settings,
-                  lora=LoraSettings(options.lora_r, options.lora_alpha, tuple(options.lora_targets)),
-                  seeds=options.seeds, seq_len=text.seq_len, max_windows=text.max_windows,
-                  train_windows=calibration.train_windows, training_args=training, dtype=model.dtype,
-                  save_models=options.save_models, save_full_models=options.save_full_models, prompt=options.prompt)
-    if training.process_index == 0:
-        report.save(training.output_dir, echo=True)
-    return 0
+    def options(own, training):
+        try:
+            tangent = dataclasses.replace(update_variants()[own.update], layers=own.layers,
+                                          parallel_layers=tuple(own.parallel_layers or ()))
+            settings = HealSettings(own.method, own.temperature, own.lm_weight, own.homotopy_fraction, own.schedule,
+                                    own.stages)
+        except ValueError as err:
+            raise CommandError(str(err)) from err
+        return dict(tangent=tangent, settings=settings, seeds=own.seeds, save_models=own.save_models,
+                    lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets)),
+                    save_full_models=own.save_full_models, prompt=own.prompt)
+
+    return run_training(args, heal, options)

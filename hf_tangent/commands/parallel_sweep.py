@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..experiments.analysis import PARALLEL_SWEEP_RANGES
 from ..ranges import Range
 from .arguments import CalibrationTextArguments as _Calibration
-from .arguments import (
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    RunArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, experiment_command, run_experiment, text_source
 
 
 @dataclass
@@ -37,21 +29,16 @@ class SweepArguments(Checked):
 
 
 def parallel_sweep_command_parser(subparsers):
-    return add_command(subparsers, "parallel-sweep", (ModelArguments, EvalTextArguments, RunArguments, SweepArguments),
-                       "held-out loss vs number of parallel-converted layers: low-C_l, high-C_l, random, greedy",
-                       parallel_sweep_command)
+    return experiment_command(subparsers, "parallel-sweep", SweepArguments,
+                              "held-out loss vs number of parallel-converted layers: low-C_l, high-C_l, random, greedy",
+                              parallel_sweep_command)
 
 
 def parallel_sweep_command(args) -> int:
     from ..experiments.analysis import parallel_sweep
 
-    model, text, run, options = dataclasses_of(args.parser, args)
-    preflight(text, run, options, output_dir=run.output_dir, device=run.device)
-    report = parallel_sweep(model.model, text=text_source(text, _Calibration(calibration_files=options.calibration_files)),
-                            calibration_windows=options.calibration_windows, ks=options.ks,
-                            random_seeds=options.random_seeds, greedy=options.greedy, greedy_max_k=options.greedy_max_k,
-                            budget=options.budget, speed=options.speed, seq_len=text.seq_len,
-                            max_windows=text.max_windows, batch_size=run.batch_size, dtype=model.dtype,
-                            device=run.device, seed=run.seed)
-    report.save(run.output_dir, echo=True)
-    return 0
+    def options(own):
+        return {k: v for k, v in dataclasses.asdict(own).items() if k != "calibration_files"}
+
+    return run_experiment(args, parallel_sweep, options=options,
+                          text=lambda text, own: text_source(text, _Calibration(calibration_files=own.calibration_files)))

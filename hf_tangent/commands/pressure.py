@@ -8,16 +8,7 @@ from typing import ClassVar
 
 from ..experiments.geometry import PRESSURE_RANGES
 from ..ranges import Range
-from .arguments import (
-    Checked,
-    EvalTextArguments,
-    ModelArguments,
-    RunArguments,
-    add_command,
-    dataclasses_of,
-    preflight,
-    text_source,
-)
+from .arguments import Checked, experiment_command, run_experiment
 
 VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 
@@ -34,18 +25,12 @@ class PressureArguments(Checked):
 
 
 def pressure_command_parser(subparsers):
-    return add_command(subparsers, "pressure", (ModelArguments, EvalTextArguments, RunArguments, PressureArguments),
-                       "spherical diversity under growing attention aggregation, per FFN variant",
-                       pressure_command, docs="geometry.md")
+    return experiment_command(subparsers, "pressure", PressureArguments,
+                              "spherical diversity under growing attention aggregation, per FFN variant",
+                              pressure_command, docs="geometry.md")
 
 
 def pressure_command(args) -> int:
     from ..experiments.geometry import pressure
 
-    model, text, run, options = dataclasses_of(args.parser, args)
-    preflight(text, run, output_dir=run.output_dir, device=run.device)
-    report = pressure(model.model, text=text_source(text), factors=options.factors, variants=options.variants,
-                      layers=options.layers, seq_len=text.seq_len, max_windows=text.max_windows, dtype=model.dtype,
-                      device=run.device, seed=run.seed)
-    report.save(run.output_dir, echo=True)
-    return 0
+    return run_experiment(args, pressure)

@@ -1,8 +1,22 @@
-"""The core: what every patched folder ships as remote code. The update rules (rules.py) and their
-fused / Triton forms, one layer's patch (layer.py), the architecture table and its discovery
-(registry.py, discovery.py), `patch` / `unpatch` (patching.py), wrappers, and where a writer may
-write (destinations.py).
+"""The core: the update rules (rules.py) and their fused / Triton forms, one layer's patch (layer.py), the
+architecture table (registry.py) and its discovery (discovery.py), `patch` / `unpatch` (patching.py),
+wrappers, and where a writer may write (destinations.py).
 
-Its modules import only each other and the libraries (torch, transformers): a Hub folder's remote
-code is this folder's modules, copied by listing it (`destinations.core_modules`). This file is not copied,
-so the modules never rely on it."""
+A patched folder ships part of it as remote code (`destinations.REMOTE_CODE_MODULES`: what a patched forward
+needs). The modules it does not ship (discovery, destinations, triton_update) reach the shipped ones here, by
+registration: this file is not copied, so in remote code the shipped modules run without them."""
+
+from . import destinations, discovery, layer, patching
+
+patching.register_package(resolve_spec=discovery.resolve_spec, require_verified=discovery.require_verified,
+                          atomic_save=destinations.AtomicSave)
+discovery.register_unpatching(patching.disabled)  # discovery probes a model with its patch off
+
+
+def _triton_kernel():
+    from .triton_update import triton_residual_delta  # imports triton: only when implementation="triton" is used
+
+    return triton_residual_delta
+
+
+layer.register_kernel("triton", _triton_kernel)

@@ -11,20 +11,22 @@ hf_tangent artifact never has (a user's files are never deleted), except a Train
 Every write is staged next to the target and is crash-consistent: after a kill at any point the
 target is its old content or the new one, complete. The steps, each one filesystem call:
 
-    .NAME.hf_tangent-staging-PID-ID   created, then written (a kill leaves an incomplete stage)
-    .NAME.hf_tangent-ready-PID-ID     the stage renamed once complete
-    .NAME.hf_tangent-old-PID-ID       the old folder renamed aside (when it holds anything)
-    NAME                              the ready stage renamed in (over an empty folder: one rename)
-                                      then the old folder removed
+    .NAME.hf_tangent-staging-ID   created, then written (a kill leaves an incomplete stage)
+    .NAME.hf_tangent-ready-ID     the stage renamed once complete
+    .NAME.hf_tangent-old-ID       the old folder renamed aside (when it holds anything)
+    NAME                          the ready stage renamed in (over an empty folder: one rename)
+                                  then the old folder removed
 
-The next writer or loader of NAME (`recover`) finishes what a killed process left: a ready stage
-with no NAME is moved in, an old folder with no NAME is moved back, and every other leftover of
-a dead process (incomplete stages, ready stages that lost, old folders replaced) is removed; each
-with a log line. Only folders named as above (with the writer's process id) are touched: any other
-folder beside NAME may be a user's. An artifact is replaced whole: no file of the earlier save
-survives (old shards, an old index, a record of the other kind, the tokenizer or card saved with
-it); each dropped file that is not part of an artifact (a tokenizer, a card, Trainer state: maybe
-written by someone else) is named in a log line.
+The writer holds an exclusive `flock` on each folder it stages or moves aside: the lock is on the folder
+itself, so it follows it through the renames, and it ends with the writer's process. So a leftover is
+abandoned exactly when its lock can be taken; nothing but the target it belongs to is read from a name.
+The next writer or loader of NAME (`recover`) finishes what a killed process left: a ready stage with no
+NAME is moved in, an old folder with no NAME is moved back, and every other abandoned leftover
+(incomplete stages, ready stages that lost, old folders replaced) is removed; each with a log line. Only
+folders named as above are touched: any other folder beside NAME may be a user's. An artifact is replaced
+whole: no file of the earlier save survives (old shards, an old index, a record of the other kind, the
+tokenizer or card saved with it); each dropped file that is not part of an artifact (a tokenizer, a card,
+Trainer state: maybe written by someone else) is named in a log line.
 
 A Trainer's `output_dir` is written into, not replaced: a folder holding an entry that only the
 Trainer and TRL put there (`checkpoint-N/`, `runs/`, `completions/`, `<split>_results.json`), beside
@@ -34,12 +36,13 @@ save writes: a card, a tokenizer); the earlier save's own files are removed, its
 each staged file is moved in by `os.replace`, the record last: a kill midway leaves the old save, the
 new one, or a folder without a record, which nothing loads (never a mix of two saves).
 
-Standard library only: this module ships in every patched folder's remote code.
+Not shipped as remote code: a model loaded through a folder's remote code saves the way transformers saves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import filecmp
 import inspect
 import json
@@ -48,7 +51,6 @@ import os
 import re
 import shutil
 import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
@@ -56,35 +58,20 @@ PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo of for
 ADAPTER_RECORD_FILE = "adapter_config.json"  # format 3's: a PEFT adapter folder, peft_type ADAPTER_PEFT_TYPE
 ADAPTER_PEFT_TYPE = "HF_TANGENT"
 RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.json (patching.CONFIG_KEY)
-# What a patched folder carries as remote code: the modules of the core (listed, not a hand-kept list) and
-# the two files hub.py generates. hub.py copies them; transformers copies them again into its module cache.
+# What a patched folder carries as remote code: the core modules a patched forward needs (it patches from the saved
+# spec: no discovery, no write safety, no Triton kernel) and the two files hub.py generates.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
-# As remote code this module sits in transformers' module cache, which transformers 4.x shares between
-# every local folder of the same name: a listing there could name another model's files (and a save
-# would then replace them). So hub.py writes the listing it shipped into this copy, on this line.
-SHIPPED_CORE_MODULES: tuple[str, ...] | None = None
+SHIPPED_CORE_MODULES = ("_version.py", "calls.py", "config.py", "fused.py", "fused_parallel.py", "layer.py", "options.py",
+                        "patching.py", "registry.py", "remote.py", "rules.py", "wrappers.py")
+REMOTE_CODE_MODULES = (*SHIPPED_CORE_MODULES, *REMOTE_GENERATED_FILES)
+_EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "triton_update.py")  # what earlier saves shipped too
 logger = logging.getLogger("hf_tangent")
-
-
-def core_modules() -> tuple[str, ...]:
-    """The core's module files (`config.py`, `patching.py`, ...): in the package, every `*.py` of
-    hf_tangent/core but `__init__.py` (read through importlib.resources, so a zipped install works);
-    in a patched folder's remote code, the list hub.py shipped with it."""
-    if SHIPPED_CORE_MODULES is not None:
-        return SHIPPED_CORE_MODULES
-    from importlib import resources
-
-    return tuple(sorted(entry.name for entry in resources.files(__package__).iterdir()
-                        if entry.name.endswith(".py") and entry.name != "__init__.py"
-                        and entry.name not in REMOTE_GENERATED_FILES))
-
-
-REMOTE_CODE_MODULES = (*core_modules(), *REMOTE_GENERATED_FILES)
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.
 _ARTIFACT_FILES = {PATCH_RECORD_FILE, "gates.safetensors", ADAPTER_RECORD_FILE, "adapter_model.safetensors",
                    "config.json", "generation_config.json",
-                   "model.safetensors", "model.safetensors.index.json", ".gitattributes", *REMOTE_CODE_MODULES}
+                   "model.safetensors", "model.safetensors.index.json", ".gitattributes", *REMOTE_CODE_MODULES,
+                   *_EARLIER_REMOTE_CODE}
 _ARTIFACT_FOLDERS = {"adapter": {"adapter_config.json", "adapter_model.safetensors", "README.md"},
                      "__pycache__": None}  # None: any *.pyc
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
@@ -102,11 +89,11 @@ _RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")
 _OUTPUT_DIR_FOLDERS = re.compile(r"checkpoint-\d+|runs|completions")
 _OUTPUT_DIR_FILES = re.compile(r"\w+_results\.json")
 _RECORDS = ("config.json", PATCH_RECORD_FILE, ADAPTER_RECORD_FILE)  # what makes a folder load as an artifact
-_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-# A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: those of
-# releases before 0.4 (.NAME.old-ID, .NAME.staging-ID, ID 8 hex digits) cannot be told apart from a user's
-# folder (.NAME.old-20240115), so they are left alone.
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: the older
+# .NAME.old-ID and .NAME.staging-ID cannot be told apart from a user's folder (.NAME.old-20240115), so they are
+# left alone; earlier saves put a process id before the ID (matched, never read).
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old)-(?:\d+-)?[0-9a-f]{8}")
 
 
 class DestinationError(ValueError):
@@ -125,7 +112,7 @@ def artifact_kind(folder: str | os.PathLike) -> str | None:
         patched = False
     if patched:
         return "patched folder"
-    if any((folder / name).exists() for name in _MODEL_FILES):
+    if any((folder / name).exists() for name in MODEL_FILES):
         return None
     if (folder / PATCH_RECORD_FILE).is_file():
         return "patch repo"
@@ -249,26 +236,67 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
 
 
 # ----------------------------------------------------------------------------- crash consistency
-def _sibling(target: Path, state: str) -> Path:
-    return target.parent / f".{target.name}.hf_tangent-{state}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def process_alive(pid: int) -> bool:
-    """A process of this id runs here (its leftovers may still be in use); this process's own are not."""
-    if pid == os.getpid():
-        return False
+def _lock(path: Path, *, wait: bool) -> int | None:
+    """A descriptor holding an exclusive flock on the folder `path` (module docstring); None when another
+    process holds it (and `wait` is false), the folder went away meanwhile, or it cannot be locked here (not
+    ours to open, a filesystem without flock): a leftover that cannot be locked is left alone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _new_stage(target: Path, fds: list[int]) -> Path:
+    """An empty folder beside `target`, locked by this process until its descriptor in `fds` is closed."""
+    for _ in range(100):  # a recover() of another process may remove a stage before it is locked: another name
+        stage = target.parent / f".{target.name}.hf_tangent-staging-{os.urandom(4).hex()}"
+        stage.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
+        fd = _lock(stage, wait=False)
+        if fd is not None:
+            fds.append(fd)
+            return stage
+        if stage.is_dir() and _flock_unsupported(stage):  # then no recover() can take it either
+            return stage
+    raise DestinationError(f"hf_tangent: could not lock a stage beside {target} (another process removed each one).")
+
+
+def _flock_unsupported(folder: Path) -> bool:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    except OSError:  # another user's process
+    except OSError:
         return True
-    return True
+    finally:
+        os.close(fd)
+    return False
 
 
-def leftovers(target: Path) -> dict[str, list[Path]]:
-    """{"staging" / "ready" / "old": folders beside `target` that a writer of it left and no live
-    process is using}, newest first."""
+@contextlib.contextmanager
+def stage(target: Path):
+    """A new folder beside `target` (.NAME.hf_tangent-staging-ID) that this process holds until the block ends,
+    then removed if still there; one a killed process left, `recover(target)` removes."""
+    fds: list[int] = []
+    path = _new_stage(target, fds)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        _close(fds)
+
+
+def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
+    """{"staging" / "ready" / "old": the leftovers beside `target` no live writer holds}, newest first, each
+    locked (its descriptor in `fds`) while recover() acts on it."""
     found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": []}
     try:
         entries = list(target.parent.iterdir())
@@ -278,32 +306,44 @@ def leftovers(target: Path) -> dict[str, list[Path]]:
         match = _LEFTOVER.fullmatch(entry.name)
         if match is None or match["name"] != target.name or entry.is_symlink() or not entry.is_dir():
             continue
-        if not process_alive(int(match["pid"])):
+        fd = _lock(entry, wait=False)
+        if fd is not None:
+            fds.append(fd)
             found[match["state"]].append(entry)
     for paths in found.values():
         paths.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
     return found
 
 
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def recover(folder, *, writer: str = "hf_tangent") -> None:
     """Finish or roll back what a killed writer of `folder` left (module docstring), each step logged.
     Called by every writer before it writes and by the loaders before they read."""
     target = Path(os.path.abspath(os.fspath(folder)))
-    found = leftovers(target)
-    if not any(found.values()):
-        return
-    if not os.path.lexists(target):
-        for state, done in (("ready", "finished: the new content moved in"),
-                            ("old", "rolled back: the previous content moved back")):
-            if found[state]:
-                os.replace(found[state].pop(0), target)
-                logger.warning("%s: an interrupted save of %s was %s.", writer, target, done)
-                break
-    for state, paths in found.items():
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
-            logger.warning("%s: removed %s, left by an interrupted save of %s (%s).", writer, path.name, target,
-                           {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content"}[state])
+    fds: list[int] = []
+    try:
+        found = _abandoned(target, fds)
+        if not os.path.lexists(target):
+            for state, done in (("ready", "finished: the new content moved in"),
+                                ("old", "rolled back: the previous content moved back")):
+                if found[state]:
+                    os.replace(found[state].pop(0), target)
+                    logger.warning("%s: an interrupted save of %s was %s.", writer, target, done)
+                    break
+        for state, paths in found.items():
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+                logger.warning("%s: removed %s, left by an interrupted save of %s (%s).", writer, path.name, target,
+                               {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content"}[state])
+    finally:
+        _close(fds)
+
+
+_OWN_STAGES: set[Path] = set()  # the stages this process is writing (save_hub_folder saves the model into one)
 
 
 @contextlib.contextmanager
@@ -314,17 +354,16 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     tokenizer saved first, Trainer state) are carried over, the tokenizer's only when the save writes
     none of its own; an artifact is replaced whole. On any error before the move `folder` is as it was."""
     _, path = plain_target(folder, writer)  # the refusals that need no look inside, before anything moves
-    stage = _LEFTOVER.fullmatch(path.name)
-    if stage and stage["state"] == "staging" and int(stage["pid"]) == os.getpid() and path.is_dir() \
-            and not any(path.iterdir()):
+    if path in _OWN_STAGES and not any(path.iterdir()):
         yield path  # a stage of this process (save_hub_folder's model save): not yet visible, written in place
         return
     recover(folder, writer=writer)
     target = check_destination(folder, protected=protected, writer=writer)
     carried = target.is_dir() and artifact_kind(target) is None
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(target, "staging")
-    staging.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
+    fds: list[int] = []
+    staging = _new_stage(target, fds)
+    _OWN_STAGES.add(staging)
     try:
         yield staging
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
@@ -339,11 +378,16 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                         own_tokenizer and entry.name in _TOKENIZER_FILES):
                     shutil.copy2(entry, staging / entry.name)
         dropped = _dropped(target, staging)
-        ready = _sibling(target, "ready")
-        os.replace(staging, ready)
+        ready = staging.with_name(staging.name.replace("-staging-", "-ready-"))
+        os.replace(staging, ready)  # the lock goes with the folder
+        _OWN_STAGES.discard(staging)
         staging = ready
         if target.is_dir() and any(target.iterdir()):
-            aside = _sibling(target, "old")
+            old = _lock(target, wait=True)  # held while it is aside, so no recover() takes it back
+            if old is None:
+                raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
+            fds.append(old)
+            aside = staging.with_name(staging.name.replace("-ready-", "-old-"))
             os.replace(target, aside)
             try:
                 os.replace(ready, target)
@@ -362,7 +406,9 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                            "the ones saved with it (save the tokenizer after the model's last save, or use "
                            "ht.save_hub_folder(model, folder, tokenizer=tokenizer)).", writer, target, ", ".join(dropped))
     finally:
+        _OWN_STAGES.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)
+        _close(fds)
 
 
 def _write_into(target: Path, staging: Path) -> None:

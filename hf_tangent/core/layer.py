@@ -23,14 +23,19 @@ from .registry import ArchitectureSpec
 from .rules import noise_delta, residual_delta
 
 _KERNELS: dict = {}  # implementation -> delta function, for the optional kernels
+_KERNEL_LOADERS: dict = {}  # implementation -> loader (hf_tangent/core/__init__.py; remote code ships none)
+
+
+def register_kernel(implementation: str, loader) -> None:
+    _KERNEL_LOADERS[implementation] = loader
 
 
 def _load_triton():
-    # triton is an optional extra: its kernels are imported only when implementation="triton" is used
     if "triton" not in _KERNELS:
-        from .triton_update import triton_residual_delta
-
-        _KERNELS["triton"] = triton_residual_delta
+        if "triton" not in _KERNEL_LOADERS:
+            raise ValueError("hf_tangent: implementation='triton' needs the installed hf_tangent; a saved folder's "
+                             "remote code runs the same rule as implementation='fused'.")
+        _KERNELS["triton"] = _KERNEL_LOADERS["triton"]()
     return _KERNELS["triton"]
 
 

@@ -11,6 +11,7 @@ builds the checks of every recipe function, options dataclass, command and recip
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import math
@@ -241,7 +242,9 @@ def listed(hint) -> bool:
 def plain(value, hint):
     """The value as it is kept: a numpy / other Integral or Real scalar (Fraction) as int / float, so
     that reports, saved configs and torch see plain numbers; a str subclass (numpy's) as a str; a path
-    object as its str where a path is meant. The very object when nothing changes."""
+    object as its str where a path is meant; an enum member as its value. The very object when nothing changes."""
+    if isinstance(value, enum.Enum):  # what the member means: a str enum's str() is 'U.P', not 'projected'
+        return plain(value.value, hint)
     if type(value) in (list, tuple):
         items = [plain(v, hint) for v in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)

@@ -30,8 +30,6 @@ import torch
 from torch import nn
 
 from .config import TangentConfig
-from .destinations import AtomicSave
-from .discovery import register_unpatching, require_verified, resolve_spec
 from .layer import TangentLayer
 from .options import Option, Range
 from .registry import (
@@ -48,6 +46,26 @@ CHILD_NAME = "tangent_patch"
 _MODEL_ATTR = "_hf_tangent_config"
 _OWN_CONFIG_ATTR = "_hf_tangent_own_config"  # the model's private transformers config
 _DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: patch / unpatch refuse there
+
+# What the installed package adds (hf_tangent/core/__init__.py registers it). A saved folder's remote code ships
+# neither discovery.py nor destinations.py: it patches from the spec its record saved (verified when it was
+# saved), and its model saves the way transformers saves.
+_PACKAGE = {"resolve_spec": None, "require_verified": None, "atomic_save": None}
+
+
+def register_package(*, resolve_spec, require_verified, atomic_save) -> None:
+    _PACKAGE.update(resolve_spec=resolve_spec, require_verified=require_verified, atomic_save=atomic_save)
+
+
+def _resolve_spec(model) -> ArchitectureSpec:
+    if _PACKAGE["resolve_spec"] is not None:
+        return _PACKAGE["resolve_spec"](model)
+    spec = get_registered(model)
+    if spec is None:
+        raise ValueError(f"hf_tangent: {type(model).__name__} has no registry entry and no saved spec; its architecture "
+                         "is discovered by the installed hf_tangent (pip install hf-tangent), not by a folder's remote "
+                         "code.")
+    return spec
 
 
 # ----------------------------------------------------------------------------- checks
@@ -151,7 +169,7 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise ValueError(f"hf_tangent: {type(model).__name__} has no config.model_type; pass a transformers model.")
-    spec = resolve_spec(model)
+    spec = _resolve_spec(model)
     layers = spec.decoder_layers(model)
     first = {}
     for i, layer in enumerate(layers):
@@ -172,13 +190,15 @@ def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
 def _verify(model, spec: ArchitectureSpec, layers, config: TangentConfig, updated: set, parallel: set):
     """The numeric check of where the update lands (discovery.py); None on a meta-device model built
     from a saved patch (remote code inside from_pretrained), which was verified when it was saved."""
+    if _PACKAGE["require_verified"] is None:  # remote code: the saved spec was verified when it was saved
+        return None
     if any(p.is_meta for p in model.parameters()):
         if spec.source == "registry" or getattr(model.config, CONFIG_KEY, None):
             return None
         raise ValueError("hf_tangent: this model's weights are on the meta device, so its architecture cannot be "
                          "discovered and verified; load the weights first.")
     attention = parallel | (updated if "attention" in config.branches and config.update != "add" else set())
-    return require_verified(model, spec, layers, needs_attention=sorted(attention))
+    return _PACKAGE["require_verified"](model, spec, layers, needs_attention=sorted(attention))
 
 
 def _has_foreign_forward(layer: nn.Module) -> bool:
@@ -230,7 +250,7 @@ def _remove(model, state: _PatchState) -> None:
         delattr(model.config, CONFIG_KEY)
     if getattr(type(model.config), _SAVES_PATCHED, False):
         model.config.__class__ = type(model.config).__mro__[1]
-    if isinstance(vars(model).get("save_pretrained"), AtomicSave):
+    if _PACKAGE["atomic_save"] is not None and isinstance(vars(model).get("save_pretrained"), _PACKAGE["atomic_save"]):
         del vars(model)["save_pretrained"]
 
 
@@ -249,7 +269,8 @@ def _apply(model, state: _PatchState) -> None:
         setattr(model.config, CONFIG_KEY, state.record)
         if not hasattr(type(model.config), BASE_TYPE_ATTR):  # a saved folder's own config class saves right already
             model.config.__class__ = _saving_config_class(type(model.config))
-        vars(model)["save_pretrained"] = AtomicSave(model)  # writes never destroy (destinations.py)
+        if _PACKAGE["atomic_save"] is not None:
+            vars(model)["save_pretrained"] = _PACKAGE["atomic_save"](model)  # writes never destroy (destinations.py)
     if state.config is not None:
         _mark(model, state.config)
 
@@ -488,7 +509,7 @@ def update_config(model, **changes):
 
 
 def architecture_layers(base) -> nn.ModuleList:
-    return resolve_spec(base).decoder_layers(base)
+    return _resolve_spec(base).decoder_layers(base)
 
 
 @contextlib.contextmanager
@@ -547,8 +568,6 @@ def disabled(model):
         finally:
             vars(base).pop(_DISABLED_ATTR, None)
 
-
-register_unpatching(disabled)  # discovery probes a model with its patch off
 
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")

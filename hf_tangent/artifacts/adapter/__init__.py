@@ -10,7 +10,8 @@ PEFT range pinned in pyproject.toml; `register()` refuses a PEFT whose tables mo
 
 from __future__ import annotations
 
-from .config import PEFT_TYPE, PREFIX, TangentPeftConfig
+from ...core.destinations import ADAPTER_PEFT_TYPE
+from .config import PREFIX, TangentPeftConfig
 from .model import TangentModel
 
 __all__ = ["TangentModel", "TangentPeftConfig", "register"]
@@ -26,6 +27,6 @@ def register() -> None:
         raise ImportError(f"hf_tangent: this PEFT ({__import__('peft').__version__}) has no {', '.join(missing)} in "
                           "peft.mapping, where hf_tangent registers its PEFT method; install the PEFT range "
                           "hf_tangent is tested on (pyproject.toml).")
-    mapping.PEFT_TYPE_TO_CONFIG_MAPPING[PEFT_TYPE] = TangentPeftConfig
-    mapping.PEFT_TYPE_TO_TUNER_MAPPING[PEFT_TYPE] = TangentModel
-    mapping.PEFT_TYPE_TO_PREFIX_MAPPING[PEFT_TYPE] = PREFIX
+    mapping.PEFT_TYPE_TO_CONFIG_MAPPING[ADAPTER_PEFT_TYPE] = TangentPeftConfig
+    mapping.PEFT_TYPE_TO_TUNER_MAPPING[ADAPTER_PEFT_TYPE] = TangentModel
+    mapping.PEFT_TYPE_TO_PREFIX_MAPPING[ADAPTER_PEFT_TYPE] = PREFIX

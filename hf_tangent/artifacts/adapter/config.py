@@ -16,11 +16,10 @@ import typing
 from peft import PeftConfig
 
 from ...core.config import TangentConfig
-from ...core.destinations import ADAPTER_PEFT_TYPE
+from ...core.destinations import ADAPTER_PEFT_TYPE  # its peft_type; PEFT's PeftType enum is closed (__init__.py)
 from ...core.options import Range, check_fields, own_options
 from ..patch_repo import FORMAT, saved_tangent_config
 
-PEFT_TYPE = ADAPTER_PEFT_TYPE  # adapter_config.json's peft_type; PEFT's PeftType enum is closed (see __init__.py)
 PREFIX = "hf_tangent_"  # PEFT's method prefix: the gates are `<layer>.tangent_patch.peft.hf_tangent_gate.<adapter>`
 
 _HINTS = typing.get_type_hints(TangentConfig)  # the types themselves: their names live in core/config.py
@@ -45,9 +44,9 @@ _SAVED = [
 def _post_init(self) -> None:
     # every field's type and range, named as this class (TangentConfig's fields with TangentConfig's checks)
     check_fields(self, own_options(type(self)), prefix="TangentPeftConfig.")
-    if self.peft_type not in (None, PEFT_TYPE):
-        raise ValueError(f"TangentPeftConfig.peft_type={self.peft_type!r}; accepted: None or {PEFT_TYPE!r}.")
-    self.peft_type = PEFT_TYPE
+    if self.peft_type not in (None, ADAPTER_PEFT_TYPE):
+        raise ValueError(f"TangentPeftConfig.peft_type={self.peft_type!r}; accepted: None or {ADAPTER_PEFT_TYPE!r}.")
+    self.peft_type = ADAPTER_PEFT_TYPE
     PeftConfig.__post_init__(self)
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TangentConfig)}
     if self.patch is None:
