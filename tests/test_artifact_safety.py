@@ -642,3 +642,25 @@ def test_a_new_folder_gets_the_mode_a_new_folder_gets_here(tiny_lm_folder, tmp_p
     finally:
         os.umask(old)
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750
+
+
+def test_a_model_loaded_through_remote_code_saves_as_hf_tangent_saves(tiny_lm_folder, tmp_path):
+    """Review of issue 59: the remote code ships no destinations.py, and a model it loaded saved with transformers'
+    own save_pretrained: into a user's folder, over the base, and over a patch repo (leaving a mix of two saves).
+    Where hf_tangent is installed (this release or a newer one) the remote code uses its staged, refusing save."""
+    from transformers import AutoModelForCausalLM
+
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(tmp_path / "hub")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hub", trust_remote_code=True).eval()
+    assert type(loaded).__module__.startswith("transformers_modules.")  # the folder's copy of the core patched it
+    for target, refusal in ((user_folder(tmp_path / "notes"), "non-empty folder that hf_tangent did not write"),
+                            (Path(tiny_lm_folder), "non-empty folder that hf_tangent did not write")):
+        before = snapshot(target)
+        with pytest.raises(DestinationError, match=refusal):
+            loaded.save_pretrained(target)
+        assert snapshot(target) == before
+    repo = ht.save_patch(model, tmp_path / "repo")
+    loaded.save_pretrained(repo)
+    assert not (repo / "adapter_config.json").exists() and not (repo / "adapter_model.safetensors").exists()
+    assert torch.equal(logits(ht.from_pretrained(repo)), logits(model))

@@ -266,3 +266,54 @@ def test_an_empty_folder_is_staged_too_and_keeps_its_mode(tiny_lm_folder, tmp_pa
     assert (tmp_path / "out").stat().st_mode & 0o7777 == 0o2750
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "adapter_config.json",
                                                                     "adapter_model.safetensors"]
+
+
+def test_on_a_filesystem_without_flock_saves_go_on_and_leftovers_are_left(tiny_lm_folder, tmp_path, monkeypatch,
+                                                                          caplog):
+    """Review of issue 59: where flock is not supported (some network and FUSE mounts) every re-save was refused
+    ("changed while this save was written") and a leftover was never looked at. Saves go on without the lock; a
+    leftover is left as it is, with a log line saying why."""
+    import errno
+
+    from hf_tangent.core import destinations
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(destinations.fcntl, "flock", no_flock)
+    ht.save_patch(_gated(tiny_lm_folder, 1.0), tmp_path / "patch")
+    leftover = tmp_path / ".patch.hf_tangent-staging-0123abcd"
+    leftover.mkdir()
+    new = _gated(tiny_lm_folder, 0.5)
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        ht.save_patch(new, tmp_path / "patch")
+    assert torch.equal(_logits(ht.from_pretrained(tmp_path / "patch")), _logits(new))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [leftover.name, "patch"]
+    assert "this filesystem has no flock" in caplog.text
+
+
+def test_a_save_that_another_writer_overtook_says_so_and_keeps_that_save(tiny_lm_folder, tmp_path, monkeypatch):
+    """Review of issue 59: two writers of one folder; the other's save moved in between this one's two renames.
+    That save is kept whole; this one raises a DestinationError that says so (was a raw 'Directory not empty' from
+    the roll-back, and the next reader removed the aside copy with an 'interrupted save' warning)."""
+    from hf_tangent.core import destinations
+    from hf_tangent.core.destinations import DestinationError
+
+    target = tmp_path / "patch"
+    ht.save_patch(_gated(tiny_lm_folder, 1.0), target)
+    other = _gated(tiny_lm_folder, 2.0)
+    ht.save_patch(other, tmp_path / "other")
+    replace = os.replace
+
+    def overtaken(source, destination):
+        if Path(destination) == target and ".hf_tangent-ready-" in Path(source).name:
+            replace(tmp_path / "other", target)  # the other writer's rename, just before ours
+        return replace(source, destination)
+
+    monkeypatch.setattr(destinations.os, "replace", overtaken)
+    with pytest.raises(DestinationError, match="another save of .* finished while this one was written; that save is "
+                                               "kept, this one was not applied"):
+        ht.save_patch(_gated(tiny_lm_folder, 0.5), target)
+    monkeypatch.undo()
+    assert torch.equal(_logits(ht.from_pretrained(target)), _logits(other))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]

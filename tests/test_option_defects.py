@@ -394,6 +394,15 @@ def test_a_tangent_config_keeps_an_enum_member_as_its_value(tmp_path):
     class B(str, enum.Enum):
         FFN = "ffn"
 
+    class Odd(str, enum.Enum):  # its text passes the check; its value is another thing (the review's case)
+        P = 3
+
+        def __new__(cls, value):
+            member = str.__new__(cls, "projected")
+            member._value_ = value
+            return member
+
+    assert ht.TangentConfig(update=Odd.P).update == "projected"  # what was checked is what is kept (was the int 3)
     config = ht.TangentConfig(update=U.P, branches=[B.FFN])
     assert config.update == "projected" and type(config.update) is str
     assert config.to_dict()["update"] == "projected" and list(config.to_dict()["branches"]) == ["ffn"]

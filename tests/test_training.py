@@ -381,7 +381,11 @@ def test_remote_code_ships_every_module_it_imports():
     for text in texts:
         for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):
             assert f"{module}.py" in shipped, module
-        assert not re.search(r"^\s*from \. import|^\s*import hf_tangent|^\s*from hf_tangent", text, flags=re.M)
+        assert not re.search(r"^\s*from \. import|^\s*from hf_tangent", text, flags=re.M)
+        # hf_tangent itself only where remote.py uses an installed one of the same or a newer release, inside a
+        # try block (transformers' own check of a remote module's imports skips those)
+        imports = re.findall(r"^( *)import hf_tangent.*$", text, flags=re.M)
+        assert imports == [] or (text == (core / "remote.py").read_text() and imports == [" " * 8]), imports
 
 
 def test_calibration_options_checkpointing_accumulation_bf16(tiny_lm_folder, austen_dir, tmp_path):

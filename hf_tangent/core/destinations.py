@@ -236,10 +236,13 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
 
 
 # ----------------------------------------------------------------------------- crash consistency
-def _lock(path: Path, *, wait: bool) -> int | None:
+_NO_FLOCK = object()  # _lock's answer on a filesystem without flock (some network and FUSE mounts)
+
+
+def _lock(path: Path, *, wait: bool):
     """A descriptor holding an exclusive flock on the folder `path` (module docstring); None when another
-    process holds it (and `wait` is false), the folder went away meanwhile, or it cannot be locked here (not
-    ours to open, a filesystem without flock): a leftover that cannot be locked is left alone."""
+    process holds it (and `wait` is false), the folder went away meanwhile or is not ours to open; _NO_FLOCK
+    where the filesystem has no flock (a writer goes on without the lock; a leftover there is left alone)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -248,10 +251,21 @@ def _lock(path: Path, *, wait: bool) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
             return fd
-    except OSError:
+    except BlockingIOError:
         pass
+    except OSError as err:
+        os.close(fd)
+        return None if isinstance(err, FileNotFoundError) else _NO_FLOCK
     os.close(fd)
     return None
+
+
+def _hold(path: Path, fds: list[int], *, wait: bool) -> bool:
+    """Lock `path` for this writer (its descriptor kept in `fds`); True also where there is no flock to take."""
+    fd = _lock(path, wait=wait)
+    if isinstance(fd, int):
+        fds.append(fd)
+    return fd is not None
 
 
 def _new_stage(target: Path, fds: list[int]) -> Path:
@@ -259,26 +273,9 @@ def _new_stage(target: Path, fds: list[int]) -> Path:
     for _ in range(100):  # a recover() of another process may remove a stage before it is locked: another name
         stage = target.parent / f".{target.name}.hf_tangent-staging-{os.urandom(4).hex()}"
         stage.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
-        fd = _lock(stage, wait=False)
-        if fd is not None:
-            fds.append(fd)
-            return stage
-        if stage.is_dir() and _flock_unsupported(stage):  # then no recover() can take it either
+        if _hold(stage, fds, wait=False):
             return stage
     raise DestinationError(f"hf_tangent: could not lock a stage beside {target} (another process removed each one).")
-
-
-def _flock_unsupported(folder: Path) -> bool:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 @contextlib.contextmanager
@@ -307,9 +304,12 @@ def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
         if match is None or match["name"] != target.name or entry.is_symlink() or not entry.is_dir():
             continue
         fd = _lock(entry, wait=False)
-        if fd is not None:
+        if isinstance(fd, int):
             fds.append(fd)
             found[match["state"]].append(entry)
+        elif fd is _NO_FLOCK:
+            logger.warning("hf_tangent: %s is left as it is: this filesystem has no flock, so whether a save is still "
+                           "writing it cannot be told; remove it by hand once none is.", entry)
     for paths in found.values():
         paths.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
     return found
@@ -337,7 +337,8 @@ def recover(folder, *, writer: str = "hf_tangent") -> None:
         for state, paths in found.items():
             for path in paths:
                 shutil.rmtree(path, ignore_errors=True)
-                logger.warning("%s: removed %s, left by an interrupted save of %s (%s).", writer, path.name, target,
+                done = "could not remove" if os.path.lexists(path) else "removed"
+                logger.warning("%s: %s %s, left by an interrupted save of %s (%s).", writer, done, path.name, target,
                                {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content"}[state])
     finally:
         _close(fds)
@@ -383,15 +384,17 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
         _OWN_STAGES.discard(staging)
         staging = ready
         if target.is_dir() and any(target.iterdir()):
-            old = _lock(target, wait=True)  # held while it is aside, so no recover() takes it back
-            if old is None:
+            if not _hold(target, fds, wait=True):  # held while it is aside, so no recover() takes it back
                 raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
-            fds.append(old)
             aside = staging.with_name(staging.name.replace("-ready-", "-old-"))
             os.replace(target, aside)
             try:
                 os.replace(ready, target)
             except BaseException:
+                if os.path.lexists(target):  # another writer's save moved in meanwhile: it stays, this one goes
+                    shutil.rmtree(aside, ignore_errors=True)
+                    raise DestinationError(f"{writer}: another save of {target} finished while this one was written; "
+                                           "that save is kept, this one was not applied.") from None
                 os.replace(aside, target)
                 raise
             shutil.rmtree(aside, ignore_errors=True)

@@ -11,7 +11,6 @@ builds the checks of every recipe function, options dataclass, command and recip
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import inspect
 import math
@@ -242,16 +241,14 @@ def listed(hint) -> bool:
 def plain(value, hint):
     """The value as it is kept: a numpy / other Integral or Real scalar (Fraction) as int / float, so
     that reports, saved configs and torch see plain numbers; a str subclass (numpy's) as a str; a path
-    object as its str where a path is meant; an enum member as its value. The very object when nothing changes."""
-    if isinstance(value, enum.Enum):  # what the member means: a str enum's str() is 'U.P', not 'projected'
-        return plain(value.value, hint)
+    object as its str where a path is meant. The very object when nothing changes."""
     if type(value) in (list, tuple):
         items = [plain(v, hint) for v in value]
         return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
     if isinstance(value, bool) or type(value) in (int, float, str) or value is None:
         return value
-    if isinstance(value, str):
-        return str(value)
+    if isinstance(value, str):  # the text that was checked: str() of a str enum member is 'U.P', not 'projected'
+        return str.__str__(value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real) and numeric(hint):

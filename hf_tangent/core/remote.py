@@ -14,8 +14,30 @@ inherits).
 
 from __future__ import annotations
 
+from ._version import __version__
 from .config import TangentConfig
-from .patching import CONFIG_KEY, patch, set_homotopy
+from .layer import register_kernel
+from .patching import CONFIG_KEY, patch, register_package, set_homotopy
+
+
+def _use_installed() -> None:
+    """Where hf_tangent is installed at this folder's release or a newer one, a model this remote code loads saves
+    the way hf_tangent saves (staged; a user's folder or the base refused) and may run the Triton kernel; without it,
+    it saves the way transformers saves. The spec stays the saved one (verified when it was saved)."""
+    if __package__ == "hf_tangent.core":  # the package itself (the vLLM plugin imports this module)
+        return
+    try:
+        from packaging.version import Version
+
+        import hf_tangent.core as installed
+    except ImportError:
+        return
+    if Version(installed._version.__version__) >= Version(__version__):
+        register_package(resolve_spec=None, require_verified=None, atomic_save=installed.destinations.AtomicSave)
+        register_kernel("triton", installed._triton_kernel)
+
+
+_use_installed()
 
 
 def register_conversions(patched_class: str, base_class: str, patched_type: str, base_type: str) -> None:

@@ -981,6 +981,36 @@ def issue47_artifact_cases(tmp: Path, folder: Path, gated, tree):
               killed_between_renames_finished_by_the_loader)
     expect_ok("artifacts", "a user's .NAME.old-20240115 / .NAME.staging-12345678 is never touched by a save or a load",
               users_folders_named_like_leftovers_untouched)
+
+    def staged_write_reads_no_process_id():  # issue 59: a 20-digit id in a stage's name raised OverflowError
+        root = tmp / "pid59"
+        (root / f".p.hf_tangent-staging-{10**20}-0123abcd").mkdir(parents=True)
+        (root / ".p.hf_tangent-ready-99999999999999999999999-4567cdef").mkdir()
+        ht.save_patch(gated(0.5), root / "p")
+        return [p.name for p in root.iterdir()] == ["p"]
+
+    def held_and_linked_stages_left_alone():  # a live writer's stage (its flock held) and a link are not ours to take
+        root = tmp / "held59s"
+        held = root / ".p.hf_tangent-staging-89abcdef"
+        held.mkdir(parents=True)
+        (root / "elsewhere").mkdir()
+        (root / ".p.hf_tangent-old-0123abcd").symlink_to(root / "elsewhere")
+        holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                                   "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(1, flush=True); time.sleep(60)",
+                                   str(held)], stdout=subprocess.PIPE, text=True)
+        try:
+            holder.stdout.readline()
+            ht.save_patch(gated(0.5), root / "p")
+            return sorted(p.name for p in root.iterdir()) == sorted(
+                [held.name, ".p.hf_tangent-old-0123abcd", "elsewhere", "p"])
+        finally:
+            holder.kill()
+            holder.wait()
+
+    expect_ok("artifacts", "stages named with a 20-digit process id (earlier saves): removed, nothing parsed",
+              staged_write_reads_no_process_id)
+    expect_ok("artifacts", "a stage a live writer holds, and a link named like a stage: left as they are",
+              held_and_linked_stages_left_alone)
     inside = ht.save_patch(gated(), tmp / "src47")
     from hf_tangent.artifacts.patch_repo import export_full_folder
 
