@@ -664,3 +664,24 @@ def test_a_model_loaded_through_remote_code_saves_as_hf_tangent_saves(tiny_lm_fo
     loaded.save_pretrained(repo)
     assert not (repo / "adapter_config.json").exists() and not (repo / "adapter_model.safetensors").exists()
     assert torch.equal(logits(ht.from_pretrained(repo)), logits(model))
+
+
+@pytest.mark.parametrize("installed", ["0.0.1", "0.3.0-dirty"], ids=["older", "unreadable"])
+def test_remote_code_with_an_older_or_unreadable_installed_release_saves_as_transformers(tiny_lm_folder, tmp_path,
+                                                                                         monkeypatch, installed):
+    """Second review of issue 59: the remote code uses an installed hf_tangent's save only at the folder's release or
+    newer; an older one, or a version it cannot read (raised InvalidVersion out of from_pretrained), leaves the
+    copy's own behaviour: transformers' save, and the load itself unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_tangent.core._version as version
+
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(tmp_path / f"hub-{installed}")
+    monkeypatch.setattr(version, "__version__", installed)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"hub-{installed}", trust_remote_code=True).eval()
+    assert torch.equal(logits(loaded), logits(model))
+    assert "save_pretrained" not in vars(loaded)  # no hf_tangent write safety on it
+    target = user_folder(tmp_path / "notes")
+    loaded.save_pretrained(target)  # transformers' save: written beside the user's files
+    assert (target / "notes.txt").read_text() == "my notes" and (target / "config.json").is_file()

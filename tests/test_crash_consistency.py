@@ -317,3 +317,67 @@ def test_a_save_that_another_writer_overtook_says_so_and_keeps_that_save(tiny_lm
     monkeypatch.undo()
     assert torch.equal(_logits(ht.from_pretrained(target)), _logits(other))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
+
+
+def _moving_in(target: Path, before=None, after=None):
+    """os.replace with `before()` run just before this save's ready stage moves onto `target`, `after()` just after."""
+    replace = os.replace
+
+    def move(source, destination):
+        ours = Path(destination) == target and ".hf_tangent-ready-" in Path(source).name
+        if ours and before:
+            before()
+        result = replace(source, destination)
+        if ours and after:
+            after()
+        return result
+
+    return move
+
+
+def test_a_save_whose_folder_someone_else_wrote_meanwhile_keeps_the_previous_content(tiny_lm_folder, tmp_path,
+                                                                                   monkeypatch):
+    """Second review of issue 59: a writer that is not hf_tangent (a tokenizer save) made the folder while the previous
+    content was aside; the 'another save finished' path deleted that content and this save's too, leaving a folder of
+    one tokenizer file. Now the previous content is kept under a name no recover() takes, and the error names it."""
+    from hf_tangent.core import destinations
+    from hf_tangent.core.destinations import DestinationError
+
+    target = tmp_path / "patch"
+    old = _gated(tiny_lm_folder, 2.0)
+    ht.save_patch(old, target)
+
+    def tokenizer_save():
+        target.mkdir()
+        (target / "tokenizer_config.json").write_text("{}")
+
+    monkeypatch.setattr(destinations.os, "replace", _moving_in(target, before=tokenizer_save))
+    with pytest.raises(DestinationError, match=r"was written by someone else while this save ran; nothing was "
+                                               r"replaced, and its previous content is kept at .*\.patch\.hf_tangent-kept-"):
+        ht.save_patch(_gated(tiny_lm_folder, 0.5), target)
+    monkeypatch.undo()
+    [kept] = [p for p in tmp_path.iterdir() if ".hf_tangent-kept-" in p.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, "patch"])
+    assert torch.equal(_logits(ht.from_pretrained(kept)), _logits(old))
+    destinations.recover(target)  # the next reader leaves it
+    assert kept.is_dir()
+
+
+def test_an_interrupt_right_after_the_move_is_raised_and_the_save_is_in(tiny_lm_folder, tmp_path, monkeypatch):
+    """Second review of issue 59: Ctrl-C just after this save moved in was turned into 'this one was not applied'
+    while the folder held it. The interrupt is raised as it came; the save is in; nothing is left beside it."""
+    from hf_tangent.core import destinations
+
+    target = tmp_path / "patch"
+    ht.save_patch(_gated(tiny_lm_folder, 2.0), target)
+    new = _gated(tiny_lm_folder, 0.5)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(destinations.os, "replace", _moving_in(target, after=interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        ht.save_patch(new, target)
+    monkeypatch.undo()
+    assert torch.equal(_logits(ht.from_pretrained(target)), _logits(new))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]

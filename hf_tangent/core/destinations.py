@@ -388,21 +388,24 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                 raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
             aside = staging.with_name(staging.name.replace("-ready-", "-old-"))
             os.replace(target, aside)
+            ours = os.stat(ready)
             try:
                 os.replace(ready, target)
-            except BaseException:
-                if os.path.lexists(target):  # another writer's save moved in meanwhile: it stays, this one goes
-                    shutil.rmtree(aside, ignore_errors=True)
-                    raise DestinationError(f"{writer}: another save of {target} finished while this one was written; "
-                                           "that save is kept, this one was not applied.") from None
-                os.replace(aside, target)
+            except BaseException as err:
+                _after_failed_move(target, aside, ours, err, writer)
                 raise
             shutil.rmtree(aside, ignore_errors=True)
             if aside.exists():
                 warnings.warn(f"{writer}: the previous content of {target} was replaced, but its old copy at {aside} "
                               "could not be removed; delete it by hand.", stacklevel=3)
         else:
-            os.replace(ready, target)  # a new folder, or over an empty one (one rename)
+            try:
+                os.replace(ready, target)  # a new folder, or over an empty one (one rename)
+            except OSError:
+                if not os.path.lexists(target) or artifact_kind(target) is None:
+                    raise
+                raise DestinationError(f"{writer}: another save of {target} finished while this one was written; "
+                                       "that save is kept, this one was not applied.") from None
         if dropped:
             logger.warning("%s: replacing %s dropped %s: not part of an hf_tangent artifact (files saved beside it, "
                            "maybe by someone else) and not written by this save; a folder's tokenizer and card are "
@@ -412,6 +415,26 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
         _OWN_STAGES.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)
         _close(fds)
+
+
+def _after_failed_move(target: Path, aside: Path, ours: os.stat_result, err: BaseException, writer: str) -> None:
+    """The move of this save onto `target` raised once the previous content was aside: one complete copy stays."""
+    if not os.path.lexists(target):
+        os.replace(aside, target)  # nothing took the name: the previous content goes back
+    elif os.path.samestat(ours, os.stat(target)):
+        shutil.rmtree(aside, ignore_errors=True)  # the move happened (an interrupt right after it): this save is in
+    elif artifact_kind(target) is not None and isinstance(err, OSError):
+        shutil.rmtree(aside, ignore_errors=True)  # another save of ours moved in meanwhile: it stays, this one goes
+        raise DestinationError(f"{writer}: another save of {target} finished while this one was written; that save "
+                               "is kept, this one was not applied.") from None
+    else:  # someone else wrote the name: the previous content is kept under a name no recover() takes
+        kept = aside.with_name(aside.name.replace(".hf_tangent-old-", ".hf_tangent-kept-"))
+        os.replace(aside, kept)
+        message = (f"{writer}: {target} was written by someone else while this save ran; nothing was replaced, and "
+                   f"its previous content is kept at {kept}.")
+        if isinstance(err, OSError):
+            raise DestinationError(message) from None
+        logger.error(message)
 
 
 def _write_into(target: Path, staging: Path) -> None:

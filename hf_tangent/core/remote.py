@@ -30,11 +30,14 @@ def _use_installed() -> None:
         from packaging.version import Version
 
         import hf_tangent.core as installed
-    except ImportError:
+
+        if Version(installed._version.__version__) < Version(__version__):
+            return
+        save, kernel = installed.destinations.AtomicSave, installed._triton_kernel
+    except Exception:  # not installed, or a release this copy cannot read: the copy's own behaviour
         return
-    if Version(installed._version.__version__) >= Version(__version__):
-        register_package(resolve_spec=None, require_verified=None, atomic_save=installed.destinations.AtomicSave)
-        register_kernel("triton", installed._triton_kernel)
+    register_package(resolve_spec=None, require_verified=None, atomic_save=save)
+    register_kernel("triton", kernel)
 
 
 _use_installed()
