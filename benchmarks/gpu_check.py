@@ -9,6 +9,9 @@ micro-benchmarks of the Triton update against the eager rule, the fused autograd
 of the same math (bf16, 16k tokens, d in 576 / 2048 / 4096; fwd and fwd+bwd; GB/s against the measured
 copy bandwidth, and per width against a copy of the same bytes); end_to_end: ratios patched / unpatched
 (benchmarks/patch_overhead.py) for a SmolLM2-shaped and a ~1B Llama-shaped model at 8 x 2048 tokens;
+add_norm: the rule + residual add + next RMSNorm kernel
+(what the vLLM plugin runs for implementation="triton") against the rule kernel followed by vLLM's add + norm
+written in torch (bf16, 16k tokens; GB/s against copy; h bit for bit, RMSNorm(h) in bf16 ulps);
 generate: batch 1 with dynamic and static caches; compiled: the SmolLM2-shaped model torch.compile'd,
 patched against unpatched (forward, and static-cache generate with a fullgraph compiled decode);
 parallel: the parallel conversion (12 of 30 layers), estimated against measured saving. A step that
@@ -36,7 +39,7 @@ TARGETS = {"kernel_vs_eager": (">=", 5.0), "kernel_vs_compile": (">=", 1.0), "ba
            "forward": ("<=", 1.01), "train": ("<=", 1.02), "peak": ("<=", 1.01), "generate": (">=", 0.99),
            "parallel_fraction_of_estimate": (">=", 0.8), "compiled_forward": ("<=", 1.01),
            "compiled_generate": (">=", 0.99)}
-STEPS = ("tests", "kernel", "end_to_end", "generate", "compiled", "parallel")
+STEPS = ("tests", "kernel", "add_norm", "end_to_end", "generate", "compiled", "parallel")
 
 
 def timer(fn, device: str, repeats: int = 20) -> float:
@@ -110,6 +113,41 @@ def kernel_bench(device: str, tokens: int, dims: list[int], rules: list[str]) ->
                 row["fwd_copy_fraction_triton"] = row["fwd_gb_s_triton"] / row["copy_gb_s"]  # no grad: the decode path
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return rows
+
+
+def add_norm_bench(device: str, tokens: int, dims: list[int], rules: list[str]) -> list[dict]:
+    """triton_add_rms_norm against the unfused path it replaces: the rule kernel, then vLLM's add + RMSNorm
+    (vllm.ir.ops.fused_add_rms_norm's arithmetic, in torch)."""
+    import torch
+
+    from hf_tangent.core.triton_update import triton_add_rms_norm, triton_residual_delta
+
+    def unfused(x, y, w, rule, kw):
+        h = x.float() + triton_residual_delta(x, y, rule, **kw).float()
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed.to(w.dtype) * w).to(x.dtype), h.to(x.dtype)
+
+    rows = []
+    for d in dims:
+        x, y = (torch.randn(tokens, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+        w = torch.randn(d, device=device, dtype=torch.bfloat16)
+        copy_ms = timer(lambda x=x: torch.empty_like(x).copy_(x), device)
+        for rule in rules:
+            kw = {"p": 2.0} if rule == "retract" else {}
+            fused = lambda x=x, y=y, w=w, rule=rule, kw=kw: triton_add_rms_norm(x, y, w, 1e-6, rule, **kw)  # noqa: E731
+            (out, h), (ref_out, ref_h) = fused(), unfused(x, y, w, rule, kw)
+            ulps = ((out.float() - ref_out.float()).abs() / torch.finfo(torch.bfloat16).eps
+                    / ref_out.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny))
+            row = {"d": d, "tokens": tokens, "rule": rule, "ms_fused": timer(fused, device),
+                   "ms_unfused": timer(lambda x=x, y=y, w=w, rule=rule, kw=kw: unfused(x, y, w, rule, kw), device),
+                   "h_mismatches": int((h != ref_h).sum()), "norm_max_ulps": float(ulps.max()),
+                   "norm_mismatches": int((out != ref_out).sum())}
+            size = tokens * d * 2
+            row["gb_s"] = 4 * size / (row["ms_fused"] * 1e-3) / 1e9  # read x, y; write h, RMSNorm(h)
+            row["copy_fraction"] = row["gb_s"] / (2 * size / (copy_ms * 1e-3) / 1e9)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -298,6 +336,17 @@ def render(report: dict) -> str:
                     verdict = _verdict(fraction, "bandwidth_fraction") if d >= 2048 else f"{fraction:.2f}"
                     cells.append(f"{r['fwd_gb_s_triton']:.0f} ({verdict})" if r else "-")
                 lines.append(f"| {d} | {w['copy']:.0f} | " + " | ".join(cells) + " |")
+    if "add_norm" in report:
+        lines += ["", "Rule + residual add + next RMSNorm in one kernel (the vLLM plugin's path for "
+                  "implementation=\"triton\"), bf16, against the rule kernel followed by vLLM's add + norm in torch:", "",
+                  "| rule | d | fused ms | unfused ms | speedup | GB/s (share of copy) | h differing | RMSNorm(h) differing (max ulps) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in report["add_norm"]:
+            share = r["copy_fraction"]
+            lines.append(f"| {r['rule']} | {r['d']} | {r['ms_fused']:.3f} | {r['ms_unfused']:.3f} | "
+                         f"{r['ms_unfused'] / r['ms_fused']:.2f} | {r['gb_s']:.0f} "
+                         f"({_verdict(share, 'bandwidth_fraction') if r['d'] >= 2048 else f'{share:.2f}'}) | "
+                         f"{r['h_mismatches']} | {r['norm_mismatches']} ({r['norm_max_ulps']:.1f}) |")
     if "end_to_end" in report:
         lines += ["", "End to end, projected update through the Triton kernel, bf16, ratio patched / unpatched:", "",
                   "| shape | forward | training step | peak memory |", "|---|---:|---:|---:|"]
@@ -401,6 +450,8 @@ def main(argv=None) -> int:
         "kernel": lambda: (copy_bandwidth(device, 0.01 if smoke else 2.0),
                            kernel_bench(device, 64 if smoke else 16384, [123] if smoke else [576, 2048, 4096],
                                         ["projected", "retract"])),
+        "add_norm": lambda: add_norm_bench(device, 64 if smoke else 16384, [123] if smoke else [576, 2048, 4096],
+                                           ["projected", "retract"]),
         "end_to_end": lambda: end_to_end(device, ["tiny"] if smoke else ["llama-smollm2", "llama-1b"], 1 if smoke else 8,
                                          16 if smoke else 2048, 2 if smoke else 5, out),
         "generate": lambda: generate_bench(device, shape, 4 if smoke else 64, 2 if smoke else 5),

@@ -193,6 +193,7 @@ def test_gpu_check_runs_its_steps_at_toy_size_on_the_cpu(tmp_path):
     for r in report["kernel"]:  # the kernel against a copy of the same (tokens, d) bf16 bytes: 3 tensors moved vs 2
         assert r["copy_gb_s"] == pytest.approx(2 * r["tokens"] * r["d"] * 2 / (r["copy_ms"] * 1e-3) / 1e9)
         assert r["fwd_copy_fraction_triton"] == pytest.approx(1.5 * r["copy_ms"] / r["fwd_ms_triton"])
+    assert [(r["rule"], r["d"]) for r in report["add_norm"]] == [("projected", 123), ("retract", 123)]
     compiled = report["compiled"]  # compiled patched vs compiled unpatched: one graph each, no break
     assert {k: "ratio_median" in v for k, v in compiled.items()} == {"forward": True, "generate_static": True}
     assert [compiled["forward"][f"{m}_graph{w}_count"] for m in ("unpatched", "patched") for w in ("", "_break")] == [1, 0, 1, 0]

@@ -109,6 +109,64 @@ def test_cached_launch_follows_every_call_argument():
         triton_update.triton_residual_delta(y_all[:2], y_all[:1], "retract")
 
 
+def add_rms_norm_reference(x, y, weight, norm_eps, rule, offset, **kw):
+    """The reference rule in float64 handed on in the model dtype, then vLLM's fused add + RMSNorm
+    (vllm.ir.ops.fused_add_rms_norm: h = x + update, h * rsqrt(mean(h^2) + eps) * w), written out in float64."""
+    delta = residual_delta(x.double(), y.double(), rule, **kw).to(x.dtype)
+    h = x.double() + delta.double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)
+    return normed * (weight.double() + 1.0 if offset else weight.double()), h
+
+
+@kernels
+@pytest.mark.parametrize("rule, kw", RULES, ids=IDS)
+@pytest.mark.parametrize("d", [123, 576])
+def test_rule_add_rms_norm_kernel_matches_the_rule_then_vllms_add_norm_in_float32(rule, kw, d):
+    """One pass: (RMSNorm(h), h) for h = x + update, against the reference rule and vLLM's add + norm written out;
+    n = ROWS + 3 (a partial second program), rows with x = 0, Gemma's 1 + w, gates and both eps modes."""
+    n = triton_update.rows_per_program(d) + 3
+    weight = torch.randn(d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for gated, mode, offset in ((False, "absolute", False), (True, "relative", True)):
+        x, y, gate = inputs(n, d, torch.float32, gated, zero_rows=(1, n - 1))
+        x, y, gate = x.detach(), y.detach(), None if gate is None else gate.detach()
+        args = dict(eps=1e-6, eps_mode=mode, gate=gate, **kw)
+        out, h = triton_update.triton_add_rms_norm(x, y, weight, 1e-5, rule, weight_offset=offset, **args)
+        ref_out, ref_h = add_rms_norm_reference(x, y, weight, 1e-5, rule, offset, **args)
+        assert out.dtype == h.dtype == torch.float32 and out.shape == h.shape == x.shape
+        torch.testing.assert_close(h.double(), ref_h, rtol=1e-5, atol=1e-5 * ref_h.abs().max().item())
+        torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5 * ref_out.abs().max().item())
+
+
+@kernels
+def test_rule_add_rms_norm_kernel_in_bfloat16_and_its_refusals():
+    """bf16 in and out (the update rounded to bf16 before the add, as the unfused layer hands it on; the product
+    with a bf16 weight in bf16): within one bf16 rounding of the float64 computation. A cached launcher per weight
+    offset; mismatched dtypes are refused by name."""
+    x, y, _ = inputs(9, 200, torch.bfloat16, False)
+    x, y = x.detach(), y.detach()
+    weight = torch.randn(200, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.bfloat16)
+    for offset in (False, True, False):
+        out, h = triton_update.triton_add_rms_norm(x, y, weight, 1e-6, "retract", p=2.0, weight_offset=offset)
+        ref_out, ref_h = add_rms_norm_reference(x, y, weight, 1e-6, "retract", offset, p=2.0)
+        assert out.dtype == h.dtype == torch.bfloat16
+        # one bf16 rounding of the update and one of the sum; the norm's factor carries that, plus two roundings.
+        # A full bf16 ulp per rounding: triton's interpreter casts float32 to bf16 by truncation (a GPU rounds to
+        # nearest; bit-exactness against vLLM's own kernel is benchmarks/gpu_check.py's, on a GPU)
+        ulp = 2.0 ** -7
+        bound_h = ulp * (2 * (ref_h - x.double()).abs() + ref_h.abs()) + 1e-30
+        assert ((h.double() - ref_h).abs() <= bound_h).all()
+        scale = torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight.double() + (1.0 if offset else 0.0)).abs()
+        assert ((out.double() - ref_out).abs() <= bound_h * scale + 3 * ulp * ref_out.abs() + 1e-30).all()
+    x32, y32 = x.float(), y.float()  # float32 (no cast to round): the residual is the rule kernel's update added
+    h32 = triton_update.triton_add_rms_norm(x32, y32, weight.float(), 1e-6, "retract", p=2.0)[1]
+    assert torch.equal(h32, x32 + triton_update.triton_residual_delta(x32, y32, "retract", p=2.0))
+    with pytest.raises(ValueError, match=r"x and y of one shape and dtype .* got \(9, 200\) torch.float32, "
+                                         r"\(9, 200\) torch.bfloat16"):
+        triton_update.triton_add_rms_norm(x.float(), y, weight, 1e-6, "projected")
+    with pytest.raises(ValueError, match="has no kernel for update 'gaussian'"):
+        triton_update.triton_add_rms_norm(x, y, weight, 1e-6, "gaussian")
+
+
 @kernels
 def test_no_grad_launch_makes_three_python_calls():
     """After warm-up, a no-grad call runs triton_residual_delta, _forward and the cached launch: no

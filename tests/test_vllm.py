@@ -93,10 +93,11 @@ def serve(folder, tmp_path, *flags, plugins=None) -> dict:
     """vLLM's greedy tokens and logprobs for `folder` (or its refusal): in the shared worker, or, with
     other plugins or remote code (set when vLLM starts), in a process of its own."""
     out = tmp_path / f"{Path(folder).name}-{'-'.join(flags) or 'plain'}.json"
-    if plugins is None and not {"trust", "transformers"} & set(flags):
+    if plugins is None and not {"trust", "transformers", "norms"} & set(flags):
         ENGINE.serve(folder, out, flags)
         return json.loads(out.read_text())
-    env = {**os.environ, **({"VLLM_PLUGINS": plugins} if plugins is not None else {})}
+    env = {**os.environ, **({"VLLM_PLUGINS": plugins} if plugins is not None else {}),
+           **({"TRITON_INTERPRET": "1"} if "norms" in flags else {})}  # the kernels on this CPU
     result = subprocess.run([sys.executable, str(WORKER), str(folder), str(out), *flags], capture_output=True,
                             text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 0 and out.is_file(), result.stderr[-3000:]
@@ -299,6 +300,37 @@ def test_every_served_family_gives_transformers_tokens(family, tmp_path):
     base_gap = logprob_gap(serve(tmp_path / "base", tmp_path), unpatched)
     gap = assert_served_patched(serve(folder, tmp_path), expected, unpatched, max(1e-4, 4 * base_gap))
     print(f"{family}: logprob gap vLLM vs transformers: unpatched {base_gap:.1e}, patched {gap:.1e}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_triton_rule_add_norm_in_the_next_norm_gives_transformers_tokens(family, tmp_path):
+    """implementation='triton': a patched layer hands (y, x) on, and the RMSNorm that consumes them (the next layer's
+    input norm; the final norm after the last layer) runs rule + residual add + norm in one kernel (here in triton's
+    interpreter; Gemma's 1 + w). Retract with gates on every layer: the served norms are hf_tangent's, and the tokens
+    and logprobs are transformers' (the same folder with the fused torch rule)."""
+    from hf_tangent.artifacts.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    model_class, model_config = _families()[family]
+    torch.manual_seed(0)
+    model = model_class(model_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    unpatched = transformers_greedy(model, tokenizer)
+    model = ht.patch(model, ht.TangentConfig(update="retract", p=2.0, gates=True))
+    with torch.no_grad():
+        for layer, value in zip(ht.tangent_layers(model), (0.7, 1.3, 0.9), strict=False):
+            layer.gate.fill_(value)
+    expected = transformers_greedy(model, tokenizer)
+    ht.update_config(model, implementation="triton")
+    ht.save_hub_folder(model, tmp_path / family, tokenizer=tokenizer)
+    served = serve(tmp_path / family, tmp_path, "norms")
+    layers = model.config.num_hidden_layers
+    norm = "HfTangentGemmaRMSNorm" if family == "gemma3" else "HfTangentRMSNorm"
+    assert served.get("norms") == [norm] * layers, served.get("norms")  # layers 1 .. n - 1 and the final norm
+    assert_served_patched(served, expected, unpatched, 1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2", "gpt_neox"])

@@ -1,6 +1,7 @@
 """Serve a folder with vLLM (CPU, float32, eager) and write greedy tokens and their logprobs as JSON:
-python tests/vllm_worker.py FOLDER OUT.json [trust] [transformers] [bfloat16] [compile]. Run in an environment
-with vLLM. `compile` serves with vLLM's compilation on (its CPU default: dynamo traced once, inductor).
+python tests/vllm_worker.py FOLDER OUT.json [trust] [transformers] [bfloat16] [compile] [norms]. Run in an environment
+with vLLM. `compile` serves with vLLM's compilation on (its CPU default: dynamo traced once, inductor); `norms` also
+writes the class names of the served model's hf_tangent norms.
 
 The worker keeps vLLM's engine inside its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set in main() only: importing
 this module changes nothing). python tests/vllm_worker.py --loop: one process for many folders (vLLM's import, most of a serve's time, paid
@@ -36,7 +37,11 @@ def serve(folder: str, out: str, flags: list[str]) -> None:
         json.dump({"outputs": [{"tokens": list(o.outputs[0].token_ids),
                                 "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids,
                                                                           strict=True)]}
-                               for o in outs]}, open(out, "w"))
+                               for o in outs]}
+                  | ({"norms": sorted(type(m).__name__ for model in llm.apply_model(lambda model: [model])
+                                      for m in model[0].modules() if type(m).__name__.startswith("HfTangent")
+                                      and type(m).__name__.endswith("Norm"))} if "norms" in flags else {}),
+                  open(out, "w"))
     finally:
         del llm
         gc.collect()

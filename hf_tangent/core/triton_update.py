@@ -88,12 +88,9 @@ if triton is not None:
             return t
         return p * _atan(t / p)
 
-    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["GATE"])
-    def _forward_kernel(X, Y, GATE, OUT, n, alpha, beta, p, eps, D: tl.constexpr, LIMIT: tl.constexpr,
-                        RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr, P_INF: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
-        rows, offs, mask, x, y, z, gate, xx, e, q, c = _rows(X, Y, GATE, n, eps, D, RELATIVE, HAS_GATE, ROWS,
-                                                             BLOCK, ACC)
+    @triton.jit
+    def _rule_delta(x, z, xx, e, c, alpha, beta, p, LIMIT: tl.constexpr, RULE: tl.constexpr, P_INF: tl.constexpr):
+        """x_next - x of the rule, in ACC (fused.py's arithmetic)."""
         if RULE == 0:
             delta = alpha * z
         elif RULE == 1:
@@ -117,7 +114,37 @@ if triton is not None:
             delta = -2.0 * s * s * x + (alpha * b) * tangent
             delta = tl.where(r > 0, delta, 0.0)  # x = 0 stays 0
             delta = tl.minimum(tl.maximum(delta, -LIMIT), LIMIT)  # finite in the model dtype
+        return delta
+
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["GATE"])
+    def _forward_kernel(X, Y, GATE, OUT, n, alpha, beta, p, eps, D: tl.constexpr, LIMIT: tl.constexpr,
+                        RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr, P_INF: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+        rows, offs, mask, x, y, z, gate, xx, e, q, c = _rows(X, Y, GATE, n, eps, D, RELATIVE, HAS_GATE, ROWS,
+                                                             BLOCK, ACC)
+        delta = _rule_delta(x, z, xx, e, c, alpha, beta, p, LIMIT, RULE, P_INF)
         tl.store(OUT + offs, delta.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["GATE"])
+    def _add_rms_norm_kernel(X, Y, GATE, W, RESIDUAL, OUT, n, alpha, beta, p, eps, norm_eps, D: tl.constexpr,
+                             LIMIT: tl.constexpr, RULE: tl.constexpr, RELATIVE: tl.constexpr, HAS_GATE: tl.constexpr,
+                             P_INF: tl.constexpr, W_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                             ACC: tl.constexpr):
+        """The rule, the residual add and the next RMSNorm in one pass over x and y: vLLM's fused add + RMSNorm
+        (vllm.ir.ops.fused_add_rms_norm) fed with the rule's update in the model dtype, as the layer hands it on."""
+        rows, offs, mask, x, y, z, gate, xx, e, q, c = _rows(X, Y, GATE, n, eps, D, RELATIVE, HAS_GATE, ROWS,
+                                                             BLOCK, ACC)
+        delta = _rule_delta(x, z, xx, e, c, alpha, beta, p, LIMIT, RULE, P_INF)
+        h = x + delta.to(RESIDUAL.dtype.element_ty).to(ACC)
+        tl.store(RESIDUAL + offs, h.to(RESIDUAL.dtype.element_ty), mask=mask)
+        normed = h * tl.rsqrt(tl.sum(h * h, axis=1, keep_dims=True) / D + norm_eps)  # masked columns are 0
+        cols = tl.arange(0, BLOCK)[None, :]
+        w = tl.load(W + cols, mask=cols < D, other=0.0)
+        if W_OFFSET:  # Gemma: (1 + w) in float32
+            out = normed * (w.to(ACC) + 1.0)
+        else:  # in the weight's dtype, as x.to(weight.dtype) * weight
+            out = (normed.to(W.dtype.element_ty).to(ACC) * w.to(ACC)).to(W.dtype.element_ty)
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _project_back(gv, x, z, c, q, beta):
@@ -186,22 +213,22 @@ if triton is not None:
             tl.store(DGATE + rows, tl.sum(dz * y, axis=1, keep_dims=True), mask=rows < n)
 
 
-def _compile(key: tuple, args: tuple) -> None:
+def _compile(key: tuple, args: tuple, **extra) -> None:
     """First use of `key`: launch through triton (compiling) and cache launch(args) for the next calls.
 
     key = (kernel, d, x dtype, y dtype, gate dtype or None, rule, relative, p = inf, x and y 16-byte aligned,
-    [the gradient's alignment and dtype,] device): what triton specializes on (n is not specialized, the floats
-    never are, the other pointers are fresh), so the compiled kernel is right for every later call with the
+    [the gradient's alignment and dtype | the norm weight's dtype, alignment and offset,] device): what triton
+    specializes on (n is not specialized, the floats never are, the other pointers are fresh), so the compiled kernel is right for every later call with the
     same key and triton's per-call argument binding, specialization and cache lookup can be skipped.
     """
     kernel, d, _, y_dtype, gate_dtype, rule, relative, p_inf, *_ = key
     rows, block = rows_per_program(d), triton.next_power_of_2(d)
     acc = tl.float64 if torch.promote_types(y_dtype, torch.float32) == torch.float64 else tl.float32
     meta = dict(D=d, LIMIT=torch.finfo(y_dtype).max, RULE=rule, RELATIVE=relative, HAS_GATE=gate_dtype is not None,
-                P_INF=p_inf,
-                ROWS=rows, BLOCK=block, ACC=acc)
+                P_INF=p_inf, **extra, ROWS=rows, BLOCK=block, ACC=acc)
+    at = kernel.arg_names.index("n")
     options = dict(num_warps=max(4, min(16, rows * block // 1024)))
-    compiled = kernel[(triton.cdiv(args[-5], rows),)](*args, **meta, **options)  # args[-5]: n
+    compiled = kernel[(triton.cdiv(args[at], rows),)](*args, **meta, **options)
     launch = None
     if not INTERPRET:
         # triton's own launch with what it decided at the first call; which constexprs the launcher takes
@@ -214,11 +241,11 @@ def _compile(key: tuple, args: tuple) -> None:
             device = key[-1]
 
             def launch(args):
-                run((args[-5] + rows - 1) // rows, 1, 1, stream(device), function, packed, None, None, None, *args,
+                run((args[at] + rows - 1) // rows, 1, 1, stream(device), function, packed, None, None, None, *args,
                     *consts)
     if launch is None:  # the interpreter (or an unknown launcher): triton's ordinary launch every time
         def launch(args):
-            kernel[(triton.cdiv(args[-5], rows),)](*args, **meta, **options)
+            kernel[(triton.cdiv(args[at], rows),)](*args, **meta, **options)
     _LAUNCH[key] = launch
 
 
@@ -284,3 +311,31 @@ def triton_residual_delta(x, y, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6,
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad or (gate is not None and gate.requires_grad)):
         return _Update.apply(x2, y2, gate, *params).view(y.shape)
     return _forward(x2, y2, gate, *params).view(y.shape)
+
+
+def triton_add_rms_norm(x, y, weight, norm_eps, update, *, alpha=1.0, beta=1.0, p=1.0, eps=1e-6, eps_mode="absolute",
+                        gate=None, weight_offset=False):
+    """(RMSNorm(h), h) for h = x + rules.residual_delta(x, y, ...), the update in the model dtype: vLLM's fused
+    add + RMSNorm of the next norm (`weight_offset`: Gemma's 1 + w) with the rule in the same kernel, one read of
+    x and y. No autograd (serving); rows (..., d) of one dtype, on CUDA (or in the interpreter)."""
+    rule = RULES.get(update)
+    if rule is None:
+        raise ValueError(f"implementation='triton' has no kernel for update {update!r}; accepted: {', '.join(RULES)}.")
+    check_device(y)
+    if x.shape != y.shape or x.dtype != y.dtype or weight.shape != y.shape[-1:]:
+        raise ValueError(f"the fused add + RMSNorm needs x and y of one shape and dtype and a weight of their width, "
+                         f"got {tuple(x.shape)} {x.dtype}, {tuple(y.shape)} {y.dtype} and {tuple(weight.shape)}.")
+    d = y.shape[-1]
+    x2, y2, w = x.reshape(-1, d).contiguous(), y.reshape(-1, d).contiguous(), weight.contiguous()
+    residual, out = torch.empty_like(y2), torch.empty_like(y2)
+    args = (x2, y2, y2 if gate is None else gate, w, residual, out, y2.shape[0], float(alpha),
+            float(beta) if update == "soft" else 1.0, float(p), float(eps), float(norm_eps))
+    key = (_add_rms_norm_kernel, d, x.dtype, y.dtype, None if gate is None else gate.dtype, rule,
+           eps_mode == "relative", math.isinf(p), x2.data_ptr() % 16 == 0, y2.data_ptr() % 16 == 0, w.dtype,
+           w.data_ptr() % 16 == 0, bool(weight_offset), y.get_device())
+    launch = _LAUNCH.get(key)
+    if launch is None:
+        _compile(key, args, W_OFFSET=bool(weight_offset))
+    else:
+        launch(args)
+    return out.view(y.shape), residual.view(y.shape)

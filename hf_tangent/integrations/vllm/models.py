@@ -10,6 +10,11 @@ config.json record, exactly as hf_tangent's own loaders read it:
   The patched layer runs the layer's own forward and returns (x_next - x, x), x_next - x from
   hf_tangent's update rule in float32 (the config's `implementation`: the default fused.fused_residual_delta,
   tensor ops that inductor fuses when vLLM compiles), the gate and the homotopy lambda.
+- With implementation="triton" a layer hands (y, x) on unchanged and the RMSNorm that consumes them (the next
+  layer's input norm, or the model's final norm) runs the rule, the residual add and the norm in one kernel
+  (core/triton_update.triton_add_rms_norm), where vLLM ran its own fused add + RMSNorm; compiled, or off CUDA,
+  that norm applies the layer's update and then its own forward. Not for a parallel layer, a homotopy lambda,
+  a noise rule, a norm of another pipeline stage, or while EAGLE-3 reads the stream between layers.
 - GPT-2's block returns x + y itself, so its forward is written out (four lines of vLLM's own).
 - A parallel-converted layer needs the FFN to read the block input: that forward is written out too.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
@@ -33,12 +39,7 @@ from ...core.config import NOISE_UPDATES, TangentConfig
 from ...core.fused import fused_residual_delta
 from ...core.patching import _homotopy_values
 from ...core.rules import residual_delta
-
-
-def _triton_rule(*args, **kwargs):
-    from ...core.triton_update import triton_residual_delta  # the optional extra, imported where it is asked for
-
-    return triton_residual_delta(*args, **kwargs)
+from ...core.triton_update import INTERPRET, triton_add_rms_norm, triton_residual_delta
 
 
 def _patch_of(hf_config) -> dict:
@@ -80,22 +81,25 @@ class _Patch:
         self.tangent_update = index in patch["patched"]
         self.tangent_parallel = index in patch["parallel"]
         self.tangent_blend = patch["lambdas"].get(index, 1.0)
+        self.tangent_handoff = False  # True: (y, x) go on unchanged; the next norm runs the rule (_RuleAddNorm)
         if self.tangent_parallel and getattr(self, "ada_rms_norm_t_cond", None) is not None:
             raise ValueError("hf_tangent vLLM plugin: a parallel-converted layer with Mistral's ada_rms_norm_t_cond "
                              "(time-conditioned FFN input) is not served; accepted: such layers unconverted.")
         if self.tangent_update and self.tangent_config.gates:
             self.tangent_patch = _Gate()  # loaded from the folder's `...layers.N.tangent_patch.gate`
 
+    def _gate(self):
+        return self.tangent_patch.gate if hasattr(self, "tangent_patch") else None
+
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """What the layer adds: y unpatched; else x_next - x of the rule, blended with y by lambda."""
         if not self.tangent_update:
             return y
-        c = self.tangent_config
-        gate = self.tangent_patch.gate if hasattr(self, "tangent_patch") else None
+        c, gate = self.tangent_config, self._gate()
         if c.update in NOISE_UPDATES:  # exactly alpha * y outside training
             delta = (c.alpha * y.float() * (1.0 if gate is None else gate)).to(y.dtype)
         else:
-            rule = {"reference": residual_delta, "triton": _triton_rule}.get(c.implementation, fused_residual_delta)
+            rule = {"reference": residual_delta, "triton": triton_residual_delta}.get(c.implementation, fused_residual_delta)
             delta = rule(x, y, c.update, alpha=c.alpha, beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=gate)
         if self.tangent_blend != 1.0:
             delta = torch.lerp(y.float(), delta.float(), self.tangent_blend).to(y.dtype)
@@ -125,7 +129,7 @@ class _PreNormLayer(_Patch):
             source = self._ffn_source(h, r)
             return self._delta(source, self.mlp(self.post_attention_layernorm(source))), r
         y, x = super().forward(positions, hidden_states, residual, **kwargs)
-        return self._delta(x, y), x
+        return (y if self.tangent_handoff else self._delta(x, y)), x
 
 
 class _SandwichLayer(_Patch):
@@ -139,7 +143,46 @@ class _SandwichLayer(_Patch):
             y = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(source)))
             return self._delta(source, y), r
         y, x = super().forward(positions, hidden_states, residual, **kwargs)
-        return self._delta(x, y), x
+        return (y if self.tangent_handoff else self._delta(x, y)), x
+
+
+class _RuleAddNorm:
+    """The RMSNorm that consumes a handing-on layer's (y, x): x + the layer's update, normed, in one kernel."""
+
+    def forward(self, y, residual=None):
+        layer = self.tangent_after[0]  # a tuple: not a submodule of the norm
+        if residual is None or not layer.tangent_handoff:
+            return super().forward(y, residual)
+        if torch.compiler.is_compiling() or not (y.is_cuda or INTERPRET):  # torch ops inductor fuses
+            return super().forward(layer._delta(residual, y), residual)
+        c = layer.tangent_config
+        return triton_add_rms_norm(residual, y, self.weight, self.variance_epsilon, c.update, alpha=c.alpha,
+                                   beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=layer._gate(),
+                                   weight_offset=isinstance(self, GemmaRMSNorm))
+
+
+_NORM_CLASSES: dict[type, type] = {}
+
+
+def _fusable_norm(norm) -> bool:
+    """vLLM's own RMSNorm (full width, with a weight) or GemmaRMSNorm, exactly: the add + norm the kernel does."""
+    return type(norm) is GemmaRMSNorm or (type(norm) is RMSNorm and norm.has_weight
+                                          and norm.variance_size_override is None)
+
+
+def _hand_on(layer, norm) -> None:
+    """Let `layer` hand (y, x) on to `norm` when its rule runs as the triton kernel (see the module docstring)."""
+    c = layer.tangent_config
+    if not (isinstance(layer, (_PreNormLayer, _SandwichLayer)) and layer.tangent_update and c.implementation == "triton"
+            and not layer.tangent_parallel and layer.tangent_blend == 1.0 and c.update not in NOISE_UPDATES
+            and _fusable_norm(norm)):
+        return
+    base = type(norm)
+    if base not in _NORM_CLASSES:
+        _NORM_CLASSES[base] = type(f"HfTangent{base.__name__}", (_RuleAddNorm, base), {})
+    norm.__class__ = _NORM_CLASSES[base]
+    norm.tangent_after = (layer,)
+    layer.tangent_handoff = True
 
 
 class _GPT2Block(_Patch):
@@ -152,7 +195,7 @@ class _GPT2Block(_Patch):
         return r + self._delta(source, self.mlp(self.ln_2(source)))
 
 
-def _patch_layers(layers: nn.ModuleList, hf_config, kind: type) -> None:
+def _patch_layers(layers: nn.ModuleList, hf_config, kind: type, final_norm=None) -> None:
     """Make every decoder layer this process holds a patched layer: its class becomes a subclass of
     (kind, its own class), so vLLM's modules, weights and forward stay as built."""
     patch = _patch_of(hf_config)
@@ -165,6 +208,11 @@ def _patch_layers(layers: nn.ModuleList, hf_config, kind: type) -> None:
             classes[base] = type(f"HfTangent{base.__name__}", (kind, base), {})
         layer.__class__ = classes[base]
         layer._set_patch(index, patch)
+    for index, layer in enumerate(layers):
+        after = layers[index + 1] if index + 1 < len(layers) else None
+        norm = final_norm if after is None else getattr(after, "input_layernorm", None)
+        if isinstance(layer, _Patch) and norm is not None and not isinstance(after, PPMissingLayer):
+            _hand_on(layer, norm)
 
 
 def _served(base: type, kind: type, layers: str) -> type:
@@ -172,13 +220,23 @@ def _served(base: type, kind: type, layers: str) -> type:
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
-        owner = self
-        for name in layers.split("."):
-            owner = getattr(owner, name)
-        _patch_layers(owner, vllm_config.model_config.hf_config, kind)
+        *path, last = layers.split(".")
+        parent = self
+        for name in path:
+            parent = getattr(parent, name)
+        _patch_layers(getattr(parent, last), vllm_config.model_config.hf_config, kind, getattr(parent, "norm", None))
+
+    def set_aux_hidden_state_layers(self, layers) -> None:
+        base.set_aux_hidden_state_layers(self, layers)
+        for layer in self.modules():  # EAGLE-3 reads hidden_states + residual between layers: each hands on x_next - x
+            if isinstance(layer, _Patch):
+                layer.tangent_handoff = False
 
     name = f"HfTangent{base.__name__}"
-    return type(name, (base,), {"__init__": __init__, "__qualname__": name, "__module__": __name__})
+    body = {"__init__": __init__, "__qualname__": name, "__module__": __name__}
+    if hasattr(base, "set_aux_hidden_state_layers"):
+        body["set_aux_hidden_state_layers"] = set_aux_hidden_state_layers
+    return type(name, (base,), body)
 
 
 # the architecture name hf_tangent's folders carry (HfTangent<base architecture>) -> its class
