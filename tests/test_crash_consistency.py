@@ -9,10 +9,10 @@ point (a process whose OpenMP pool has started cannot fork safely). After each k
 target must be the old content or the new one, byte for byte, once the next reader has run (it
 loads with the logits of that model), and the next writer must succeed and leave nothing else.
 
-By default: every rename and the first step of each other kind, for a patch repo and an empty folder
-(killed before the step), and for a complete folder (an error at the step). With -m slow: every step
-of every writer (patch repo, complete folder, Hub folder with a tokenizer, a LoRA patch repo, an empty
-folder, a new folder), killed before and after it and failing at it. (A run folder's files are each
+By default: every rename and the first step of each other kind, for a patch repo, an empty folder and a
+Trainer output_dir written into (killed before the step), and for a complete folder (an error at the step).
+With -m slow: every step of every writer (patch repo, complete folder, Hub folder with a tokenizer, a LoRA
+patch repo, an empty folder, a new folder, an output_dir), killed before and after it and failing at it. (A run folder's files are each
 replaced on their own: tests/test_run_folders.py kills and fails every step of a report's save.)"""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def worker(tmp_path, scenarios, steps, modes) -> dict:
 
 
 def test_a_kill_at_each_rename_of_each_writer_leaves_the_old_or_the_new_content(tmp_path):
-    walked = worker(tmp_path, ["patch_repo", "empty_folder"], "renames", ["before"])
+    walked = worker(tmp_path, ["patch_repo", "empty_folder", "output_dir"], "renames", ["before"])
     for name, entry in walked.items():
         renames = [k for k, s in enumerate(entry["steps"], 1) if s.startswith("replace(")]
         assert set(renames) <= set(entry["tested"]["before"]), name

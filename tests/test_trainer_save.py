@@ -211,7 +211,7 @@ def test_a_failed_move_leaves_the_earlier_save_as_it_was(tmp_path, monkeypatch):
 
     def flaky(src, dst):
         moved.append(Path(dst).name)
-        if Path(dst).name == "config.json" and Path(dst).parent == out and ".earlier-save-" not in str(src):
+        if Path(dst).name == "config.json" and Path(dst).parent == out and ".hf_tangent-earlier-" not in str(src):
             raise OSError("injected failure")
         return real(src, dst)
 

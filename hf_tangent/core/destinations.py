@@ -32,9 +32,16 @@ A Trainer's `output_dir` is written into, not replaced: a folder holding an entr
 Trainer and TRL put there (`checkpoint-N/`, `runs/`, `completions/`, `<split>_results.json`), beside
 nothing but an artifact of ours and the files other writers put beside a model (the Trainer's card,
 state and arguments, a tokenizer). Those stay as they are (but for a file of the same name that the
-save writes: a card, a tokenizer); the earlier save's own files are removed, its record first, then
-each staged file is moved in by `os.replace`, the record last: a kill midway leaves the old save, the
-new one, or a folder without a record, which nothing loads (never a mix of two saves).
+save writes: a card, a tokenizer). The same stages, entry by entry:
+
+    .NAME.hf_tangent-ready-ID     the complete stage
+    .NAME.hf_tangent-earlier-ID   the earlier save's entries moved into it, its record first
+    .NAME.hf_tangent-into-ID      the stage renamed: every entry of the earlier save is aside
+    NAME/...                      each staged entry moved in (a file of the same name aside first), the
+                                  record last; then -earlier- and -into- removed
+
+`recover` rolls an abandoned `-earlier-` back (its entries move back) unless its `-into-` exists, which
+it finishes (the rest of its entries move in): a folder without a record in between, never a mix.
 
 Not shipped as remote code: a model loaded through a folder's remote code saves the way transformers saves.
 """
@@ -50,7 +57,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -93,7 +99,8 @@ MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json
 # A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: the older
 # .NAME.old-ID and .NAME.staging-ID cannot be told apart from a user's folder (.NAME.old-20240115), so they are
 # left alone; earlier saves put a process id before the ID (matched, never read).
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old)-(?:\d+-)?[0-9a-f]{8}")
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old|earlier|into)-(?:\d+-)?"
+                       r"(?P<id>[0-9a-f]{8})")
 
 
 class DestinationError(ValueError):
@@ -294,7 +301,7 @@ def stage(target: Path):
 def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
     """{"staging" / "ready" / "old": the leftovers beside `target` no live writer holds}, newest first, each
     locked (its descriptor in `fds`) while recover() acts on it."""
-    found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": []}
+    found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": [], "earlier": [], "into": []}
     try:
         entries = list(target.parent.iterdir())
     except OSError:
@@ -327,6 +334,22 @@ def recover(folder, *, writer: str = "hf_tangent") -> None:
     fds: list[int] = []
     try:
         found = _abandoned(target, fds)
+        for earlier in found.pop("earlier"):  # an output_dir write (module docstring)
+            into = earlier.with_name(earlier.name.replace("-earlier-", "-into-"))
+            if into in found["into"]:
+                found["into"].remove(into)
+                _move_in(into, target)
+                shutil.rmtree(into, ignore_errors=True)
+                logger.warning("%s: an interrupted save into %s was finished: the rest of it moved in.", writer, target)
+            else:
+                for entry in sorted(earlier.iterdir(), key=lambda e: e.name in _RECORDS):
+                    os.replace(entry, target / entry.name)
+                logger.warning("%s: an interrupted save into %s was rolled back: the earlier save's files moved back.",
+                               writer, target)
+            shutil.rmtree(earlier, ignore_errors=True)
+        for into in found.pop("into"):  # finished, but for removing the emptied stage
+            _move_in(into, target)
+            shutil.rmtree(into, ignore_errors=True)
         if not os.path.lexists(target):
             for state, done in (("ready", "finished: the new content moved in"),
                                 ("old", "rolled back: the previous content moved back")):
@@ -369,7 +392,8 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
         yield staging
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
         if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):
-            _write_into(target, staging)
+            _OWN_STAGES.discard(staging)
+            staging = _write_into(target, staging, fds)
             return
         if target.is_dir():
             staging.chmod(target.stat().st_mode & 0o7777)
@@ -437,35 +461,51 @@ def _after_failed_move(target: Path, aside: Path, ours: os.stat_result, err: Bas
         logger.error(message)
 
 
-def _write_into(target: Path, staging: Path) -> None:
-    """Move a staged save into an output_dir (module docstring): the earlier save's files aside, its record
-    first; the new ones in (over a file of the same name), the record last; every other entry stays as it is.
-    A failure on the way puts the earlier save back as it was; the aside folder goes once the new one is in."""
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.earlier-save-", dir=target.parent))
+def _write_into(target: Path, staging: Path, fds: list[int]) -> Path:
+    """Move a staged save into an output_dir (module docstring); every entry that is not the earlier save's stays
+    as it is. A failure on the way undoes each move in reverse order, so each state between is one `recover`
+    reads the same way. Returns the stage's last name (removed by the caller)."""
+    ready = staging.with_name(staging.name.replace("-staging-", "-ready-"))
+    os.replace(staging, ready)  # complete; the lock goes with the folder
+    aside = ready.with_name(ready.name.replace("-ready-", "-earlier-"))
+    into = ready.with_name(ready.name.replace("-ready-", "-into-"))
     moved: list[tuple[Path, Path]] = []  # (from, to), in order
     try:
+        aside.mkdir()
+        if not _hold(aside, fds, wait=False):
+            raise DestinationError(f"hf_tangent: could not lock {aside} (another process removed it).")
         if artifact_kind(target) is not None:  # then every entry is the Trainer's, a neighbour or ours (check_destination)
             old = [e for e in target.iterdir() if not (_output_dir_entry(e) or _is_neighbour(e.name) and e.is_file())]
             for entry in sorted(old, key=lambda e: e.name not in _RECORDS):
                 os.replace(entry, aside / entry.name)
                 moved.append((entry, aside / entry.name))
-        for entry in sorted(staging.iterdir(), key=lambda e: e.name in _RECORDS):
-            if (target / entry.name).is_file():  # a neighbour the save writes again (a card, a tokenizer file)
-                logger.info("%s: %s is replaced by the new save's.", target, entry.name)
-                os.replace(target / entry.name, aside / entry.name)
-                moved.append((target / entry.name, aside / entry.name))
-            os.replace(entry, target / entry.name)
-            moved.append((entry, target / entry.name))
+        os.replace(ready, into)
+        moved.append((ready, into))
+        _move_in(into, target, aside, moved)
     except BaseException:
         for source, destination in reversed(moved):  # back where each came from
             try:
                 os.replace(destination, source)
-            except OSError:  # the earlier save stays in the aside folder, said where
-                logger.error("%s: the earlier save could not be put back; its files are in %s.", target, aside)
+            except OSError:  # what is left is a state recover() finishes or rolls back
+                logger.error("%s: this save could not be undone; the next save or load of it finishes or rolls "
+                             "it back (%s).", target, aside)
                 raise
         shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(ready, ignore_errors=True)
         raise
-    shutil.rmtree(aside, ignore_errors=True)  # kept only where a roll-back failed (logged above)
+    shutil.rmtree(aside, ignore_errors=True)
+    return into
+
+
+def _move_in(source: Path, target: Path, aside: Path | None = None, moved: list | None = None) -> None:
+    """Each entry of `source` into `target`, the record last; a file of that name in `target` (a neighbour the save
+    writes again: a card, a tokenizer file) moved to `aside` first, or replaced where there is none."""
+    for entry in sorted(source.iterdir(), key=lambda e: e.name in _RECORDS):
+        steps = [(target / entry.name, aside / entry.name)] if aside and (target / entry.name).is_file() else []
+        for step in [*steps, (entry, target / entry.name)]:
+            os.replace(*step)
+            if moved is not None:
+                moved.append(step)
 
 
 def _dropped(target: Path, staging: Path) -> list[str]:
