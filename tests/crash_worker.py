@@ -127,11 +127,16 @@ class NewFolder(PatchedFolder):
     old_kind = "absent"
 
 
-class OutputDir(PatchedFolder):
+class OutputDir(HubFolder):
     """A Trainer output_dir (a checkpoint, logs, the Trainer's arguments) with an earlier save: written into. A kill
-    may leave a folder without a record there, which the next reader finishes or rolls back."""
+    may leave a folder without a record there, which the next reader finishes or rolls back. The save writes a
+    card and a tokenizer over the earlier save's (moved aside first); the folder's name holds every stage word."""
 
     writes_into = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.target = self.root / "out-staging-ready-earlier-into-done-1"
 
     def reset(self):
         shutil.rmtree(self.target, ignore_errors=True)

@@ -29,6 +29,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import hf_tangent as ht
+from hf_tangent.core import destinations
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -381,3 +382,34 @@ def test_an_interrupt_right_after_the_move_is_raised_and_the_save_is_in(tiny_lm_
     monkeypatch.undo()
     assert torch.equal(_logits(ht.from_pretrained(target)), _logits(new))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
+
+
+def test_an_output_dir_save_whose_stage_is_held_is_not_rolled_back_under_it(tmp_path, caplog):
+    """An -earlier- folder whose -into- stage another process holds (it was listed by a recovery that ran beside
+    this one) is left alone: rolling it back there, and the other finishing its -into-, made the old shards and
+    index sit beside the new config and weights. Once the hold ends, the next recovery finishes the save."""
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    earlier, into = (tmp_path / f".out.hf_tangent-{state}-0123abcd" for state in ("earlier", "into"))
+    earlier.mkdir()
+    into.mkdir()
+    for name, text in (("config.json", '{"hf_tangent": {}, "v": "old"}'), ("model-00001-of-00002.safetensors", "old"),
+                       ("model.safetensors.index.json", "old")):
+        (earlier / name).write_text(text)
+    (into / "model.safetensors").write_text("new")
+    (into / "config.json").write_text('{"hf_tangent": {}, "v": "new"}')
+    (out / "README.md").write_text("new card")  # moved in before the kill
+    holder = _holder(into)
+    try:
+        destinations.recover(out)
+        assert sorted(p.name for p in out.iterdir()) == ["README.md", "checkpoint-1"]
+        assert earlier.is_dir() and into.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        destinations.recover(out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "checkpoint-1", "config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["v"] == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert "was finished: the rest of it moved in" in caplog.text

@@ -225,3 +225,50 @@ def test_a_failed_move_leaves_the_earlier_save_as_it_was(tmp_path, monkeypatch):
     with torch.no_grad():
         ids = torch.tensor([[1, 5, 9, 2]])
         assert torch.equal(ht.from_pretrained(out)(ids).logits, model(ids).logits)
+
+
+def test_two_saves_into_one_output_dir_at_once_are_one_after_the_other(tmp_path, monkeypatch):
+    """A save of a patched folder pauses while it moves its files in; a patch repo saved into the same output_dir
+    meanwhile waits for it (the target's lock), then replaces it: the folder is the patch repo alone. Without the
+    lock both went in and the folder held the two saves mixed (the patched folder's config and weights beside the
+    repo's record)."""
+    import threading
+
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    folder_model, _ = patched()
+    tiny_smollm2_llama(layers=3)[0].save_pretrained(tmp_path / "base")
+    from transformers import LlamaForCausalLM
+
+    repo_model = ht.patch(LlamaForCausalLM.from_pretrained(tmp_path / "base"), ht.TangentConfig(update="retract"))
+    paused, resume, errors = threading.Event(), threading.Event(), []
+    real = destinations._move_in
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name == "folder":
+            paused.set()
+            resume.wait(60)
+        return real(*args, **kwargs)
+
+    def run(save):
+        try:
+            save()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    monkeypatch.setattr(destinations, "_move_in", slow)
+    first = threading.Thread(target=run, args=(lambda: folder_model.save_pretrained(out),), name="folder")
+    second = threading.Thread(target=run, args=(lambda: ht.save_patch(repo_model, out),), name="repo")
+    first.start()
+    assert paused.wait(60)
+    second.start()
+    second.join(3)
+    waited = second.is_alive()
+    resume.set()
+    first.join(60)
+    second.join(60)
+    assert errors == [] and waited
+    assert destinations.artifact_kind(out) == "patch repo" and not (out / "config.json").exists()
+    assert not (out / "model.safetensors").exists() and (out / "checkpoint-1").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "out"]
+    assert torch.equal(logits(ht.from_pretrained(out)), logits(repo_model))

@@ -141,7 +141,7 @@ def test_rule_add_rms_norm_kernel_matches_the_rule_then_vllms_add_norm_in_float3
 def test_rule_add_rms_norm_kernel_in_bfloat16_and_its_refusals():
     """bf16 in and out (the update rounded to bf16 before the add, as the unfused layer hands it on; the product
     with a bf16 weight in bf16): within one bf16 rounding of the float64 computation. A cached launcher per weight
-    offset; mismatched dtypes are refused by name."""
+    offset; the residual bit for bit; mismatched dtypes are refused by name."""
     x, y, _ = inputs(9, 200, torch.bfloat16, False)
     x, y = x.detach(), y.detach()
     weight = torch.randn(200, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.bfloat16)
@@ -157,9 +157,12 @@ def test_rule_add_rms_norm_kernel_in_bfloat16_and_its_refusals():
         assert ((h.double() - ref_h).abs() <= bound_h).all()
         scale = torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight.double() + (1.0 if offset else 0.0)).abs()
         assert ((out.double() - ref_out).abs() <= bound_h * scale + 3 * ulp * ref_out.abs() + 1e-30).all()
-    x32, y32 = x.float(), y.float()  # float32 (no cast to round): the residual is the rule kernel's update added
-    h32 = triton_update.triton_add_rms_norm(x32, y32, weight.float(), 1e-6, "retract", p=2.0)[1]
-    assert torch.equal(h32, x32 + triton_update.triton_residual_delta(x32, y32, "retract", p=2.0))
+    for dtype in (torch.float32, torch.float16):  # casts that round to nearest here: the residual is, bit for bit,
+        # the rule kernel's update in the model dtype added to x in float32 (as vLLM's add + norm does with it)
+        xd, yd = x.to(dtype) * 4, y.to(dtype)
+        hd = triton_update.triton_add_rms_norm(xd, yd, weight.to(dtype), 1e-6, "retract", p=2.0)[1]
+        delta = triton_update.triton_residual_delta(xd, yd, "retract", p=2.0)
+        assert torch.equal(hd, (xd.float() + delta.float()).to(dtype))
     with pytest.raises(ValueError, match=r"x and y of one shape and dtype .* got \(9, 200\) torch.float32, "
                                          r"\(9, 200\) torch.bfloat16"):
         triton_update.triton_add_rms_norm(x.float(), y, weight, 1e-6, "projected")

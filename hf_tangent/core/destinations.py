@@ -38,10 +38,14 @@ save writes: a card, a tokenizer). The same stages, entry by entry:
     .NAME.hf_tangent-earlier-ID   the earlier save's entries moved into it, its record first
     .NAME.hf_tangent-into-ID      the stage renamed: every entry of the earlier save is aside
     NAME/...                      each staged entry moved in (a file of the same name aside first), the
-                                  record last; then -earlier- and -into- removed
+                                  record last
+    .NAME.hf_tangent-done-ID      the aside folder renamed (the save is final), then removed, and -into-
 
 `recover` rolls an abandoned `-earlier-` back (its entries move back) unless its `-into-` exists, which
 it finishes (the rest of its entries move in): a folder without a record in between, never a mix.
+Every name is made from NAME and the stage's ID (never by editing another name). A writer holds the
+target's own flock from its last check to the end (one writer of a folder at a time), and `recover`
+holds the parent folder's (one recovery at a time, so two never split one save's leftovers).
 
 Not shipped as remote code: a model loaded through a folder's remote code saves the way transformers saves.
 """
@@ -99,7 +103,7 @@ MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json
 # A stage, a ready stage or an old copy of NAME (module docstring). Only these names are touched: the older
 # .NAME.old-ID and .NAME.staging-ID cannot be told apart from a user's folder (.NAME.old-20240115), so they are
 # left alone; earlier saves put a process id before the ID (matched, never read).
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old|earlier|into)-(?:\d+-)?"
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.hf_tangent-(?P<state>staging|ready|old|earlier|into|done)-(?:\d+-)?"
                        r"(?P<id>[0-9a-f]{8})")
 
 
@@ -275,10 +279,15 @@ def _hold(path: Path, fds: list[int], *, wait: bool) -> bool:
     return fd is not None
 
 
+def _beside(target: Path, state: str, ident: str) -> Path:
+    """.NAME.hf_tangent-STATE-ID beside `target` (module docstring): made from the target's name and the stage's id."""
+    return target.parent / f".{target.name}.hf_tangent-{state}-{ident}"
+
+
 def _new_stage(target: Path, fds: list[int]) -> Path:
     """An empty folder beside `target`, locked by this process until its descriptor in `fds` is closed."""
     for _ in range(100):  # a recover() of another process may remove a stage before it is locked: another name
-        stage = target.parent / f".{target.name}.hf_tangent-staging-{os.urandom(4).hex()}"
+        stage = _beside(target, "staging", os.urandom(4).hex())
         stage.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
         if _hold(stage, fds, wait=False):
             return stage
@@ -301,7 +310,7 @@ def stage(target: Path):
 def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
     """{"staging" / "ready" / "old": the leftovers beside `target` no live writer holds}, newest first, each
     locked (its descriptor in `fds`) while recover() acts on it."""
-    found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": [], "earlier": [], "into": []}
+    found: dict[str, list[Path]] = {"staging": [], "ready": [], "old": [], "earlier": [], "into": [], "done": []}
     try:
         entries = list(target.parent.iterdir())
     except OSError:
@@ -329,27 +338,36 @@ def _close(fds: list[int]) -> None:
 
 def recover(folder, *, writer: str = "hf_tangent") -> None:
     """Finish or roll back what a killed writer of `folder` left (module docstring), each step logged.
-    Called by every writer before it writes and by the loaders before they read."""
+    Called by every writer before it writes and by the loaders before they read; one at a time per parent
+    folder (its flock), so two never split one save's leftovers between them."""
     target = Path(os.path.abspath(os.fspath(folder)))
     fds: list[int] = []
     try:
+        _hold(target.parent, fds, wait=True)
         found = _abandoned(target, fds)
         for earlier in found.pop("earlier"):  # an output_dir write (module docstring)
-            into = earlier.with_name(earlier.name.replace("-earlier-", "-into-"))
-            if into in found["into"]:
+            ident = _LEFTOVER.fullmatch(earlier.name)["id"]
+            into = _beside(target, "into", ident)
+            if not target.is_dir():  # the output_dir is gone: so is what was being written into it
+                done = "removed: the folder no longer exists"
+            elif into in found["into"]:
                 found["into"].remove(into)
                 _move_in(into, target)
-                shutil.rmtree(into, ignore_errors=True)
-                logger.warning("%s: an interrupted save into %s was finished: the rest of it moved in.", writer, target)
+                os.replace(earlier, _beside(target, "done", ident))  # never rolled back from here
+                earlier = _beside(target, "done", ident)
+                done = "finished: the rest of it moved in"
+            elif os.path.lexists(into):  # its writer is still there (it holds -into-): its own to finish
+                continue
             else:
                 for entry in sorted(earlier.iterdir(), key=lambda e: e.name in _RECORDS):
                     os.replace(entry, target / entry.name)
-                logger.warning("%s: an interrupted save into %s was rolled back: the earlier save's files moved back.",
-                               writer, target)
+                done = "rolled back: the earlier save's files moved back"
             shutil.rmtree(earlier, ignore_errors=True)
-        for into in found.pop("into"):  # finished, but for removing the emptied stage
-            _move_in(into, target)
             shutil.rmtree(into, ignore_errors=True)
+            logger.warning("%s: an interrupted save into %s was %s.", writer, target, done)
+        if target.is_dir():
+            for into in found["into"]:  # finished but for removing the emptied stage (removed below)
+                _move_in(into, target)
         if not os.path.lexists(target):
             for state, done in (("ready", "finished: the new content moved in"),
                                 ("old", "rolled back: the previous content moved back")):
@@ -362,7 +380,8 @@ def recover(folder, *, writer: str = "hf_tangent") -> None:
                 shutil.rmtree(path, ignore_errors=True)
                 done = "could not remove" if os.path.lexists(path) else "removed"
                 logger.warning("%s: %s %s, left by an interrupted save of %s (%s).", writer, done, path.name, target,
-                               {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content"}[state])
+                               {"staging": "incomplete", "ready": "not moved in", "old": "the replaced content",
+                                "into": "emptied", "done": "the replaced content"}[state])
     finally:
         _close(fds)
 
@@ -387,13 +406,17 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     target.parent.mkdir(parents=True, exist_ok=True)
     fds: list[int] = []
     staging = _new_stage(target, fds)
+    ident = staging.name[-8:]
     _OWN_STAGES.add(staging)
     try:
         yield staging
+        # one writer of a folder at a time, held while its content is aside or written into (no recover() takes it)
+        if target.is_dir() and not _hold(target, fds, wait=True):
+            raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
         if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):
             _OWN_STAGES.discard(staging)
-            staging = _write_into(target, staging, fds)
+            staging = _write_into(target, staging, ident, fds)
             return
         if target.is_dir():
             staging.chmod(target.stat().st_mode & 0o7777)
@@ -403,14 +426,12 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
                         own_tokenizer and entry.name in _TOKENIZER_FILES):
                     shutil.copy2(entry, staging / entry.name)
         dropped = _dropped(target, staging)
-        ready = staging.with_name(staging.name.replace("-staging-", "-ready-"))
+        ready = _beside(target, "ready", ident)
         os.replace(staging, ready)  # the lock goes with the folder
         _OWN_STAGES.discard(staging)
         staging = ready
         if target.is_dir() and any(target.iterdir()):
-            if not _hold(target, fds, wait=True):  # held while it is aside, so no recover() takes it back
-                raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
-            aside = staging.with_name(staging.name.replace("-ready-", "-old-"))
+            aside = _beside(target, "old", ident)
             os.replace(target, aside)
             ours = os.stat(ready)
             try:
@@ -452,7 +473,7 @@ def _after_failed_move(target: Path, aside: Path, ours: os.stat_result, err: Bas
         raise DestinationError(f"{writer}: another save of {target} finished while this one was written; that save "
                                "is kept, this one was not applied.") from None
     else:  # someone else wrote the name: the previous content is kept under a name no recover() takes
-        kept = aside.with_name(aside.name.replace(".hf_tangent-old-", ".hf_tangent-kept-"))
+        kept = _beside(target, "kept", aside.name[-8:])
         os.replace(aside, kept)
         message = (f"{writer}: {target} was written by someone else while this save ran; nothing was replaced, and "
                    f"its previous content is kept at {kept}.")
@@ -461,17 +482,17 @@ def _after_failed_move(target: Path, aside: Path, ours: os.stat_result, err: Bas
         logger.error(message)
 
 
-def _write_into(target: Path, staging: Path, fds: list[int]) -> Path:
+def _write_into(target: Path, staging: Path, ident: str, fds: list[int]) -> Path:
     """Move a staged save into an output_dir (module docstring); every entry that is not the earlier save's stays
     as it is. A failure on the way undoes each move in reverse order, so each state between is one `recover`
     reads the same way. Returns the stage's last name (removed by the caller)."""
-    ready = staging.with_name(staging.name.replace("-staging-", "-ready-"))
+    ready, aside, into, spent = (_beside(target, state, ident) for state in ("ready", "earlier", "into", "done"))
     os.replace(staging, ready)  # complete; the lock goes with the folder
-    aside = ready.with_name(ready.name.replace("-ready-", "-earlier-"))
-    into = ready.with_name(ready.name.replace("-ready-", "-into-"))
     moved: list[tuple[Path, Path]] = []  # (from, to), in order
+    made = False
     try:
         aside.mkdir()
+        made = True
         if not _hold(aside, fds, wait=False):
             raise DestinationError(f"hf_tangent: could not lock {aside} (another process removed it).")
         if artifact_kind(target) is not None:  # then every entry is the Trainer's, a neighbour or ours (check_destination)
@@ -482,6 +503,8 @@ def _write_into(target: Path, staging: Path, fds: list[int]) -> Path:
         os.replace(ready, into)
         moved.append((ready, into))
         _move_in(into, target, aside, moved)
+        os.replace(aside, spent)  # the save is final: recover() never rolls a -done- folder back
+        moved.append((aside, spent))
     except BaseException:
         for source, destination in reversed(moved):  # back where each came from
             try:
@@ -490,10 +513,11 @@ def _write_into(target: Path, staging: Path, fds: list[int]) -> Path:
                 logger.error("%s: this save could not be undone; the next save or load of it finishes or rolls "
                              "it back (%s).", target, aside)
                 raise
-        shutil.rmtree(aside, ignore_errors=True)
+        if made:
+            shutil.rmtree(aside, ignore_errors=True)
         shutil.rmtree(ready, ignore_errors=True)
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(spent, ignore_errors=True)
     return into
 
 

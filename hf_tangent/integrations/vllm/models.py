@@ -12,8 +12,9 @@ config.json record, exactly as hf_tangent's own loaders read it:
   tensor ops that inductor fuses when vLLM compiles), the gate and the homotopy lambda.
 - With implementation="triton" a layer hands (y, x) on unchanged and the RMSNorm that consumes them (the next
   layer's input norm, or the model's final norm) runs the rule, the residual add and the norm in one kernel
-  (core/triton_update.triton_add_rms_norm), where vLLM ran its own fused add + RMSNorm; compiled, or off CUDA,
-  that norm applies the layer's update and then its own forward. Not for a parallel layer, a homotopy lambda,
+  (core/triton_update.triton_add_rms_norm), where vLLM ran its own fused add + RMSNorm; compiled, that norm
+  applies the layer's update (plain tensor ops) and then its own forward (off CUDA implementation="triton" is
+  refused at the first forward, as before). Not for a parallel layer, a homotopy lambda,
   a noise rule, a norm of another pipeline stage, or while EAGLE-3 reads the stream between layers.
 - GPT-2's block returns x + y itself, so its forward is written out (four lines of vLLM's own).
 - A parallel-converted layer needs the FFN to read the block input: that forward is written out too.
@@ -149,14 +150,14 @@ class _SandwichLayer(_Patch):
 class _RuleAddNorm:
     """The RMSNorm that consumes a handing-on layer's (y, x): x + the layer's update, normed, in one kernel."""
 
-    def forward(self, y, residual=None):
+    def forward(self, x, residual=None):  # vLLM's names: x is the layer's FFN output y, residual its x
         layer = self.tangent_after[0]  # a tuple: not a submodule of the norm
         if residual is None or not layer.tangent_handoff:
-            return super().forward(y, residual)
-        if torch.compiler.is_compiling() or not (y.is_cuda or INTERPRET):  # torch ops inductor fuses
-            return super().forward(layer._delta(residual, y), residual)
+            return super().forward(x, residual)
+        if torch.compiler.is_compiling() or not (x.is_cuda or INTERPRET):  # torch ops inductor fuses
+            return super().forward(layer._delta(residual, x), residual)
         c = layer.tangent_config
-        return triton_add_rms_norm(residual, y, self.weight, self.variance_epsilon, c.update, alpha=c.alpha,
+        return triton_add_rms_norm(residual, x, self.weight, self.variance_epsilon, c.update, alpha=c.alpha,
                                    beta=c.beta, p=c.p, eps=c.eps, eps_mode=c.eps_mode, gate=layer._gate(),
                                    weight_offset=isinstance(self, GemmaRMSNorm))
 
