@@ -413,3 +413,53 @@ def test_an_output_dir_save_whose_stage_is_held_is_not_rolled_back_under_it(tmp_
     assert json.loads((out / "config.json").read_text())["v"] == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert "was finished: the rest of it moved in" in caplog.text
+
+
+def _output_dir_leftovers(tmp_path: Path, out: Path) -> None:
+    """What an output_dir save killed mid-move leaves: its card in, the earlier save aside, the rest staged."""
+    earlier, into = (tmp_path / f".out.hf_tangent-{state}-0123abcd" for state in ("earlier", "into"))
+    earlier.mkdir()
+    into.mkdir()
+    (earlier / "config.json").write_text('{"hf_tangent": {}, "v": "old"}')
+    (earlier / "model.safetensors").write_text("old")
+    (into / "config.json").write_text('{"hf_tangent": {}, "v": "killed"}')
+    (into / "model-00001-of-00002.safetensors").write_text("killed")
+    (out / "README.md").write_text("killed card")
+
+
+def test_a_save_killed_while_another_was_written_is_settled_before_that_one_moves_in(tmp_path):
+    """An output_dir save killed mid-move after this save's first recovery: this save settles it under the
+    folder's lock before its last check, so the folder is this save alone, also after the next loader's
+    recovery (which had finished the killed save over this one: its shard beside this config)."""
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    with destinations.replacing(out) as staging:
+        (staging / "config.json").write_text('{"hf_tangent": {}, "v": "this"}')
+        (staging / "model.safetensors").write_text("this")
+        _output_dir_leftovers(tmp_path, out)
+    destinations.recover(out)  # the card stays: an output_dir's neighbour, which this save does not write
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "checkpoint-1", "config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "this" and '"this"' in (out / "config.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_save_into_this_threads_own_stage_does_not_wait_for_itself():
+    """A second flock on a folder this thread holds would wait for this thread: answered as held (a save
+    into its own stage once the stage held a file waited forever)."""
+    import tempfile
+    import threading
+
+    root = Path(tempfile.mkdtemp())
+    done = []
+
+    def nested():
+        with destinations.replacing(root / "out") as outer:
+            (outer / "README.md").write_text("card")
+            with destinations.replacing(outer) as inner:
+                (inner / "config.json").write_text('{"hf_tangent": {}}')
+        done.append(sorted(p.name for p in (root / "out").iterdir()))
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done == [["README.md", "config.json"]]

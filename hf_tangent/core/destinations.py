@@ -43,9 +43,13 @@ save writes: a card, a tokenizer). The same stages, entry by entry:
 
 `recover` rolls an abandoned `-earlier-` back (its entries move back) unless its `-into-` exists, which
 it finishes (the rest of its entries move in): a folder without a record in between, never a mix.
-Every name is made from NAME and the stage's ID (never by editing another name). A writer holds the
-target's own flock from its last check to the end (one writer of a folder at a time), and `recover`
-holds the parent folder's (one recovery at a time, so two never split one save's leftovers).
+Every name is made from NAME and the stage's ID (never by editing another name). Once its stage is
+written, a writer takes the parent folder's flock and then the target's (waiting), settles what a save
+killed meanwhile left, lets the parent's go, and holds the target's to the end: saves of one folder move
+in one after the other, the last one's is the folder. `recover` takes the parent's (one recovery at a
+time, so two never split one save's leftovers) and leaves an output_dir save's leftovers to a live save
+of that folder. A folder this thread holds already is not waited for (flock locks an open file
+description, so a second lock would wait for the thread itself).
 
 Not shipped as remote code: a model loaded through a folder's remote code saves the way transformers saves.
 """
@@ -61,6 +65,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -250,29 +255,51 @@ def check_destination(folder, *, protected=(), writer: str = "hf_tangent") -> Pa
 _NO_FLOCK = object()  # _lock's answer on a filesystem without flock (some network and FUSE mounts)
 
 
+_HELD = object()  # _lock's answer for a folder this thread holds already
+_THREAD = threading.local()  # .held: {(st_dev, st_ino)} of the folders this thread holds a flock on
+
+
+def _held() -> set:
+    if not hasattr(_THREAD, "held"):
+        _THREAD.held = set()
+    return _THREAD.held
+
+
 def _lock(path: Path, *, wait: bool):
     """A descriptor holding an exclusive flock on the folder `path` (module docstring); None when another
     process holds it (and `wait` is false), the folder went away meanwhile or is not ours to open; _NO_FLOCK
-    where the filesystem has no flock (a writer goes on without the lock; a leftover there is left alone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
-            return fd
-    except BlockingIOError:
-        pass
-    except OSError as err:
+    where the filesystem has no flock (a writer goes on without the lock; a leftover there is left alone);
+    _HELD for a folder this thread holds (flock locks an open file description: a second one would wait for
+    this thread). Waiting, a name that meanwhile became another folder (a save moved in) locks that one."""
+    for _ in range(100 if wait else 1):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+            if key in _held():
+                os.close(fd)
+                return _HELD
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
+                _held().add(key)
+                return fd
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            os.close(fd)
+            return None if isinstance(err, FileNotFoundError) else _NO_FLOCK
+        except BaseException:  # an interrupt: never a lock left held for the life of the process
+            os.close(fd)
+            raise
         os.close(fd)
-        return None if isinstance(err, FileNotFoundError) else _NO_FLOCK
-    os.close(fd)
     return None
 
 
 def _hold(path: Path, fds: list[int], *, wait: bool) -> bool:
-    """Lock `path` for this writer (its descriptor kept in `fds`); True also where there is no flock to take."""
+    """Lock `path` for this writer (its descriptor kept in `fds`); True also where there is no flock to take
+    or this thread holds it already."""
     fd = _lock(path, wait=wait)
     if isinstance(fd, int):
         fds.append(fd)
@@ -333,18 +360,33 @@ def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
 
 def _close(fds: list[int]) -> None:
     for fd in fds:
+        stat = os.fstat(fd)
+        _held().discard((stat.st_dev, stat.st_ino))
         os.close(fd)
+    fds.clear()
 
 
 def recover(folder, *, writer: str = "hf_tangent") -> None:
     """Finish or roll back what a killed writer of `folder` left (module docstring), each step logged.
     Called by every writer before it writes and by the loaders before they read; one at a time per parent
-    folder (its flock), so two never split one save's leftovers between them."""
+    folder (its flock), so two never split one save's leftovers between them. An output_dir save's leftovers
+    are left to a live save of the folder (it holds the folder's lock and settles them before it writes)."""
     target = Path(os.path.abspath(os.fspath(folder)))
     fds: list[int] = []
     try:
         _hold(target.parent, fds, wait=True)
+        _recover(target, writer, settle=not target.is_dir() or _hold(target, fds, wait=False))
+    finally:
+        _close(fds)
+
+
+def _recover(target: Path, writer: str, *, settle: bool) -> None:
+    """recover()'s work, under the parent's lock (and, with `settle`, the target's)."""
+    fds: list[int] = []
+    try:
         found = _abandoned(target, fds)
+        if not settle:  # a live save of the folder settles them
+            found["earlier"], found["into"] = [], []
         for earlier in found.pop("earlier"):  # an output_dir write (module docstring)
             ident = _LEFTOVER.fullmatch(earlier.name)["id"]
             into = _beside(target, "into", ident)
@@ -397,7 +439,7 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     tokenizer saved first, Trainer state) are carried over, the tokenizer's only when the save writes
     none of its own; an artifact is replaced whole. On any error before the move `folder` is as it was."""
     _, path = plain_target(folder, writer)  # the refusals that need no look inside, before anything moves
-    if path in _OWN_STAGES and not any(path.iterdir()):
+    if path in _OWN_STAGES:
         yield path  # a stage of this process (save_hub_folder's model save): not yet visible, written in place
         return
     recover(folder, writer=writer)
@@ -410,9 +452,17 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     _OWN_STAGES.add(staging)
     try:
         yield staging
-        # one writer of a folder at a time, held while its content is aside or written into (no recover() takes it)
-        if target.is_dir() and not _hold(target, fds, wait=True):
-            raise DestinationError(f"{writer}: {target} changed while this save was written; nothing was replaced.")
+        # one writer of a folder at a time, held while its content is aside or written into (no recover() takes
+        # it); the parent's lock first, as recover() takes them, and only until a save killed meanwhile is settled
+        parent: list[int] = []
+        try:
+            _hold(target.parent, parent, wait=True)
+            if target.is_dir() and not _hold(target, fds, wait=True):
+                raise DestinationError(f"{writer}: {target} went away while this save was written; nothing was "
+                                       "replaced.")
+            _recover(target, writer, settle=True)
+        finally:
+            _close(parent)
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
         if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):
             _OWN_STAGES.discard(staging)
@@ -491,10 +541,15 @@ def _write_into(target: Path, staging: Path, ident: str, fds: list[int]) -> Path
     moved: list[tuple[Path, Path]] = []  # (from, to), in order
     made = False
     try:
-        aside.mkdir()
+        if os.path.lexists(aside):
+            raise DestinationError(f"hf_tangent: {aside} is in the way of this save (not made by it); remove it.")
+        spare = _new_stage(target, fds)  # the aside made locked under a stage's name: never unlocked while named
+        try:
+            os.replace(spare, aside)
+        except BaseException:
+            shutil.rmtree(spare, ignore_errors=True)
+            raise
         made = True
-        if not _hold(aside, fds, wait=False):
-            raise DestinationError(f"hf_tangent: could not lock {aside} (another process removed it).")
         if artifact_kind(target) is not None:  # then every entry is the Trainer's, a neighbour or ours (check_destination)
             old = [e for e in target.iterdir() if not (_output_dir_entry(e) or _is_neighbour(e.name) and e.is_file())]
             for entry in sorted(old, key=lambda e: e.name not in _RECORDS):

@@ -37,7 +37,7 @@ _TEMPORARY = re.compile(r"\..+\.hf_tangent-tmp-[0-9a-f]{32}")  # temporary_path'
 # or load). Every other entry is the user's: left as it is.
 RUN_ENTRIES = re.compile(r"report\.(json|md)|[^/]+\.png|[^/]+\.safetensors|patch|model|runs|checkpoint-\d+|samples|"
                          rf"lm_eval|README\.md|{re.escape(LOCK)}|\.hf_tangent-run\.json|{_TEMPORARY.pattern}|"
-                         r"\.(patch|model)\.hf_tangent-(staging|ready|old)-\d+-[0-9a-f]{8}")
+                         r"\.(patch|model)\.hf_tangent-(staging|ready|old|earlier|into|done|kept)-(\d+-)?[0-9a-f]{8}")
 FILES = re.compile(rf"report\.(json|md)|[^/]+\.png|README\.md|{re.escape(LOCK)}")  # written as files, one rename each
 _CHECKPOINT = re.compile(r"checkpoint-\d+|runs/[^/]+/checkpoint-\d+")  # what a resumed run continues from
 
