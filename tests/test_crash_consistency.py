@@ -443,23 +443,79 @@ def test_a_save_killed_while_another_was_written_is_settled_before_that_one_move
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_a_save_into_this_threads_own_stage_does_not_wait_for_itself():
-    """A second flock on a folder this thread holds would wait for this thread: answered as held (a save
-    into its own stage once the stage held a file waited forever)."""
-    import tempfile
+def test_a_save_inside_this_threads_own_stage_does_not_wait_for_itself(tmp_path):
+    """A save into a folder inside a stage this thread holds: its recovery locks the stage as the parent, which
+    would wait for this thread (flock locks an open file description); answered as held, it goes on."""
     import threading
 
-    root = Path(tempfile.mkdtemp())
     done = []
 
     def nested():
-        with destinations.replacing(root / "out") as outer:
+        with destinations.replacing(tmp_path / "out") as outer:
             (outer / "README.md").write_text("card")
-            with destinations.replacing(outer) as inner:
+            with destinations.replacing(outer / "sub") as inner:
                 (inner / "config.json").write_text('{"hf_tangent": {}}')
-        done.append(sorted(p.name for p in (root / "out").iterdir()))
+        done.append(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")))
 
     thread = threading.Thread(target=nested, daemon=True)
     thread.start()
     thread.join(60)
-    assert done == [["README.md", "config.json"]]
+    assert done == [["out", "out/README.md", "out/sub", "out/sub/config.json"]]
+
+
+def _waits_in_flock(thread, seconds: float = 60.0) -> bool:
+    """Whether `thread` comes to wait in destinations._lock's flock (polled from its stack)."""
+    import linecache
+    import time
+
+    for _ in range(int(seconds / 0.05)):
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if frame.f_code.co_name == "_lock" and "flock" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                return True
+            frame = frame.f_back
+        if not thread.is_alive():
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def test_a_save_waiting_for_a_folder_that_another_save_replaced_replaces_that_one(tiny_lm_folder, tmp_path,
+                                                                                monkeypatch):
+    """Two saves of one patched folder at once: the second waits for the folder's lock while the first moves its
+    content in (a new folder under the name), then locks that one and replaces it: the last save is the folder
+    (it was refused as 'changed')."""
+    import threading
+
+    target = tmp_path / "folder"
+    _gated(tiny_lm_folder, 2.0).save_pretrained(target)
+    first, second = _gated(tiny_lm_folder, 0.5), _gated(tiny_lm_folder, 1.5)
+    paused, resume, errors = threading.Event(), threading.Event(), []
+    real = destinations._dropped
+
+    def slow(*args):
+        if threading.current_thread().name == "first":
+            paused.set()
+            resume.wait(60)
+        return real(*args)
+
+    def run(model):
+        try:
+            model.save_pretrained(target)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    monkeypatch.setattr(destinations, "_dropped", slow)
+    threads = [threading.Thread(target=run, args=(m,), name=n) for m, n in ((first, "first"), (second, "second"))]
+    threads[0].start()
+    assert paused.wait(60)
+    threads[1].start()
+    assert _waits_in_flock(threads[1])
+    resume.set()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(ht.from_pretrained(target)(ids).logits, second(ids).logits)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]

@@ -286,3 +286,22 @@ def test_two_saves_into_one_output_dir_at_once_are_one_after_the_other(tmp_path,
     assert not (out / "model.safetensors").exists() and (out / "checkpoint-1").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "out"]
     assert torch.equal(logits(ht.from_pretrained(out)), logits(repo_model))
+
+
+def test_a_killed_checkpoint_saves_stage_in_the_output_dir_does_not_block_the_next_save(tmp_path):
+    """A checkpoint save killed inside the output_dir leaves its stage there (.checkpoint-3.hf_tangent-ready-ID):
+    the next save into the output_dir goes on (it was refused as a folder 'hf_tangent did not write') and leaves
+    that stage to checkpoint-3's own recovery, which finishes it."""
+    model, _ = patched()
+    out = tmp_path / "out"
+    (out / "checkpoint-1").mkdir(parents=True)
+    stage = out / ".checkpoint-3.hf_tangent-ready-0123abcd"
+    stage.mkdir()
+    (stage / "trainer_state.json").write_text("{}")
+    model.save_pretrained(out)
+    model.save_pretrained(out)  # and again, over the first save
+    assert stage.is_dir() and destinations.artifact_kind(out) == "patched folder"
+    destinations.recover(out / "checkpoint-3")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert (out / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
+    assert torch.equal(logits(ht.from_pretrained(out)), logits(model))

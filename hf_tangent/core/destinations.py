@@ -47,8 +47,7 @@ Every name is made from NAME and the stage's ID (never by editing another name).
 written, a writer takes the parent folder's flock and then the target's (waiting), settles what a save
 killed meanwhile left, lets the parent's go, and holds the target's to the end: saves of one folder move
 in one after the other, the last one's is the folder. `recover` takes the parent's (one recovery at a
-time, so two never split one save's leftovers) and leaves an output_dir save's leftovers to a live save
-of that folder. A folder this thread holds already is not waited for (flock locks an open file
+time, so two never split one save's leftovers). A folder this thread holds already is not waited for (flock locks an open file
 description, so a second lock would wait for the thread itself).
 
 Not shipped as remote code: a model loaded through a folder's remote code saves the way transformers saves.
@@ -156,6 +155,8 @@ def foreign_entries(folder: Path, kind: str | None) -> list[str]:
     for entry in sorted(folder.iterdir()):
         if _is_neighbour(entry.name) and entry.is_file() or _output_dir_entry(entry):
             continue
+        if _LEFTOVER.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            continue  # a stage of a save of something inside (a checkpoint): that save's recover() settles it
         if kind is not None and entry.is_file() and not entry.is_symlink() and (
                 entry.name in _ARTIFACT_FILES or _SHARD.fullmatch(entry.name)):
             continue
@@ -267,33 +268,33 @@ def _held() -> set:
 
 def _lock(path: Path, *, wait: bool):
     """A descriptor holding an exclusive flock on the folder `path` (module docstring); None when another
-    process holds it (and `wait` is false), the folder went away meanwhile or is not ours to open; _NO_FLOCK
-    where the filesystem has no flock (a writer goes on without the lock; a leftover there is left alone);
-    _HELD for a folder this thread holds (flock locks an open file description: a second one would wait for
-    this thread). Waiting, a name that meanwhile became another folder (a save moved in) locks that one."""
-    for _ in range(100 if wait else 1):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return None
-        try:
-            key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
-            if key in _held():
-                os.close(fd)
-                return _HELD
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
-                _held().add(key)
-                return fd
-        except BlockingIOError:
-            pass
-        except OSError as err:
+    process holds it (and `wait` is false), the folder went away or another took its name meanwhile, or it is
+    not ours to open; _NO_FLOCK where the filesystem has no flock (a writer goes on without the lock; a leftover
+    there is left alone); _HELD for a folder this thread holds (flock locks an open file description: a second
+    one would wait for this thread)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+        if key in _held():
             os.close(fd)
-            return None if isinstance(err, FileNotFoundError) else _NO_FLOCK
-        except BaseException:  # an interrupt: never a lock left held for the life of the process
-            os.close(fd)
-            raise
+            return _HELD
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):  # still the folder of that name
+            _held().add(key)
+            return fd
+    except BlockingIOError:
+        pass
+    except OSError as err:
         os.close(fd)
+        return None if isinstance(err, FileNotFoundError) else _NO_FLOCK
+    except BaseException:  # an interrupt: never a lock left held (or registered) for the life of the process
+        _held().discard((os.fstat(fd).st_dev, os.fstat(fd).st_ino))
+        os.close(fd)
+        raise
+    os.close(fd)
     return None
 
 
@@ -369,24 +370,22 @@ def _close(fds: list[int]) -> None:
 def recover(folder, *, writer: str = "hf_tangent") -> None:
     """Finish or roll back what a killed writer of `folder` left (module docstring), each step logged.
     Called by every writer before it writes and by the loaders before they read; one at a time per parent
-    folder (its flock), so two never split one save's leftovers between them. An output_dir save's leftovers
-    are left to a live save of the folder (it holds the folder's lock and settles them before it writes)."""
+    folder (its flock), so two never split one save's leftovers between them. A live save's own stages are
+    locked and left alone; a save holding the folder's lock settled what others left before it wrote."""
     target = Path(os.path.abspath(os.fspath(folder)))
     fds: list[int] = []
     try:
         _hold(target.parent, fds, wait=True)
-        _recover(target, writer, settle=not target.is_dir() or _hold(target, fds, wait=False))
+        _recover(target, writer)
     finally:
         _close(fds)
 
 
-def _recover(target: Path, writer: str, *, settle: bool) -> None:
-    """recover()'s work, under the parent's lock (and, with `settle`, the target's)."""
+def _recover(target: Path, writer: str) -> None:
+    """recover()'s work, under the parent's lock."""
     fds: list[int] = []
     try:
         found = _abandoned(target, fds)
-        if not settle:  # a live save of the folder settles them
-            found["earlier"], found["into"] = [], []
         for earlier in found.pop("earlier"):  # an output_dir write (module docstring)
             ident = _LEFTOVER.fullmatch(earlier.name)["id"]
             into = _beside(target, "into", ident)
@@ -457,10 +456,16 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
         parent: list[int] = []
         try:
             _hold(target.parent, parent, wait=True)
-            if target.is_dir() and not _hold(target, fds, wait=True):
-                raise DestinationError(f"{writer}: {target} went away while this save was written; nothing was "
-                                       "replaced.")
-            _recover(target, writer, settle=True)
+            locked = False
+            for _ in range(10):  # the name may hold another folder after the wait (a save moved in, or a
+                # killed one comes back in recover): lock that one
+                _recover(target, writer)
+                if locked or not target.is_dir():
+                    break
+                locked = _hold(target, fds, wait=True)
+            else:
+                raise DestinationError(f"{writer}: {target} kept changing while this save waited for it; nothing "
+                                       "was replaced.")
         finally:
             _close(parent)
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
@@ -551,7 +556,8 @@ def _write_into(target: Path, staging: Path, ident: str, fds: list[int]) -> Path
             raise
         made = True
         if artifact_kind(target) is not None:  # then every entry is the Trainer's, a neighbour or ours (check_destination)
-            old = [e for e in target.iterdir() if not (_output_dir_entry(e) or _is_neighbour(e.name) and e.is_file())]
+            old = [e for e in target.iterdir() if not (_output_dir_entry(e) or _is_neighbour(e.name) and e.is_file()
+                                                       or _LEFTOVER.fullmatch(e.name))]
             for entry in sorted(old, key=lambda e: e.name not in _RECORDS):
                 os.replace(entry, aside / entry.name)
                 moved.append((entry, aside / entry.name))
