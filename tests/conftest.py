@@ -269,3 +269,21 @@ def as_format_2(folder):
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         (folder / name).unlink()
     return folder
+
+
+def waits_in_flock(thread, seconds: float = 60.0) -> bool:
+    """Whether `thread` comes to wait in destinations._lock's flock (polled from its stack)."""
+    import linecache
+    import sys
+    import time
+
+    for _ in range(int(seconds / 0.05)):
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if frame.f_code.co_name == "_lock" and "flock" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                return True
+            frame = frame.f_back
+        if not thread.is_alive():
+            return False
+        time.sleep(0.05)
+    return False

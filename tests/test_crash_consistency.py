@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import waits_in_flock
 from transformers import LlamaForCausalLM
 
 import hf_tangent as ht
@@ -463,23 +464,6 @@ def test_a_save_inside_this_threads_own_stage_does_not_wait_for_itself(tmp_path)
     assert done == [["out", "out/README.md", "out/sub", "out/sub/config.json"]]
 
 
-def _waits_in_flock(thread, seconds: float = 60.0) -> bool:
-    """Whether `thread` comes to wait in destinations._lock's flock (polled from its stack)."""
-    import linecache
-    import time
-
-    for _ in range(int(seconds / 0.05)):
-        frame = sys._current_frames().get(thread.ident)
-        while frame is not None:
-            if frame.f_code.co_name == "_lock" and "flock" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
-                return True
-            frame = frame.f_back
-        if not thread.is_alive():
-            return False
-        time.sleep(0.05)
-    return False
-
-
 def test_a_save_waiting_for_a_folder_that_another_save_replaced_replaces_that_one(tiny_lm_folder, tmp_path,
                                                                                 monkeypatch):
     """Two saves of one patched folder at once: the second waits for the folder's lock while the first moves its
@@ -510,7 +494,7 @@ def test_a_save_waiting_for_a_folder_that_another_save_replaced_replaces_that_on
     threads[0].start()
     assert paused.wait(60)
     threads[1].start()
-    assert _waits_in_flock(threads[1])
+    assert waits_in_flock(threads[1])
     resume.set()
     for thread in threads:
         thread.join(60)

@@ -11,13 +11,12 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from conftest import tiny_smollm2_llama
+from conftest import tiny_smollm2_llama, waits_in_flock
 from transformers import Trainer, TrainingArguments
 
 import hf_tangent as ht
@@ -228,12 +227,6 @@ def test_a_failed_move_leaves_the_earlier_save_as_it_was(tmp_path, monkeypatch):
         assert torch.equal(ht.from_pretrained(out)(ids).logits, model(ids).logits)
 
 
-def _line(frame) -> str:
-    import linecache
-
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-
-
 def test_two_saves_into_one_output_dir_at_once_are_one_after_the_other(tmp_path, monkeypatch):
     """A save of a patched folder pauses while it moves its files in; a patch repo saved into the same output_dir
     meanwhile waits for it (the target's lock), then replaces it: the folder is the patch repo alone. Without the
@@ -269,15 +262,7 @@ def test_two_saves_into_one_output_dir_at_once_are_one_after_the_other(tmp_path,
     first.start()
     assert paused.wait(60)
     second.start()
-    waited = False
-    for _ in range(600):  # until the second save waits in flock for the folder (or finishes: no lock)
-        frame = sys._current_frames().get(second.ident)
-        while frame is not None and not waited:
-            waited = frame.f_code.co_name == "_lock" and frame.f_lineno and "flock" in _line(frame)
-            frame = frame.f_back
-        if waited or not second.is_alive():
-            break
-        time.sleep(0.05)
+    waited = waits_in_flock(second)  # for the folder's lock (without it the save finishes instead)
     resume.set()
     first.join(60)
     second.join(60)

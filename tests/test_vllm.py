@@ -245,9 +245,9 @@ FAMILY_PATCH = dict(update="projected", gates=True, eps_mode="relative", paralle
 FAMILY_LAMBDAS = {0: 0.6, 1: 0.7, 2: 1.0}
 
 
-def family_folder(family: str, tmp_path, dtype=torch.float32, **config):
-    """A random `family` model (weights x4, so that the rule matters), patched, saved as a complete folder:
-    (folder, the patched model, the unpatched model's greedy rows)."""
+def random_family(family: str, dtype=torch.float32):
+    """A random `family` model (weights x4, so that the rule matters) in `dtype`, SmolLM2's tokenizer, and the
+    model's greedy rows."""
     from hf_tangent.artifacts.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
@@ -259,7 +259,13 @@ def family_folder(family: str, tmp_path, dtype=torch.float32, **config):
             if p.dim() == 2:
                 p.mul_(4.0)
     model = model.to(dtype)
-    unpatched = transformers_greedy(model, tokenizer)
+    return model, tokenizer, transformers_greedy(model, tokenizer)
+
+
+def family_folder(family: str, tmp_path, dtype=torch.float32, **config):
+    """A random `family` model (random_family), patched, saved as a complete folder: (folder, the patched model,
+    the unpatched model's greedy rows)."""
+    model, tokenizer, unpatched = random_family(family, dtype)
     config = config or {k: v for k, v in FAMILY_PATCH.items() if not (family == "gpt_neox" and k == "parallel_layers")}
     model = ht.patch(model, ht.TangentConfig(**config))
     if config.get("gates"):
@@ -308,17 +314,7 @@ def test_triton_rule_add_norm_in_the_next_norm_gives_transformers_tokens(family,
     input norm; the final norm after the last layer) runs rule + residual add + norm in one kernel (here in triton's
     interpreter; Gemma's 1 + w). Retract with gates on every layer: the served norms are hf_tangent's, and the tokens
     and logprobs are transformers' (the same folder with the fused torch rule)."""
-    from hf_tangent.artifacts.models import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    model_class, model_config = _families()[family]
-    torch.manual_seed(0)
-    model = model_class(model_config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    unpatched = transformers_greedy(model, tokenizer)
+    model, tokenizer, unpatched = random_family(family)
     model = ht.patch(model, ht.TangentConfig(update="retract", p=2.0, gates=True))
     with torch.no_grad():
         for layer, value in zip(ht.tangent_layers(model), (0.7, 1.3, 0.9), strict=False):
