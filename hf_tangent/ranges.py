@@ -27,7 +27,6 @@ from typing import Literal
 
 from .core.options import (  # noqa: F401  (the names every caller imports from here)
     ChoiceError,
-    EmptyOptionError,
     Option,
     OptionTypeError,
     ProgressBar,
@@ -36,7 +35,6 @@ from .core.options import (  # noqa: F401  (the names every caller imports from 
     build_options,
     check_fields,
     dataclass_options,
-    describe_type,
     hints_of,
     listed,
     matches,

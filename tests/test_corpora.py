@@ -338,7 +338,7 @@ def test_a_failed_download_names_the_package_and_the_override(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match=r"`apt-get download python3-doc` failed \(run `apt-get update` first, "
                                            r"or set HF_TANGENT_CORPUS_DIR.*\n.*Unable to locate package python3-doc"):
         corpora.corpus_dir()
-    assert [p.name for p in (tmp_path / "corpus").iterdir()] == []
+    assert list(tmp_path.glob("corpus/*")) == []  # nothing half-made is left behind
 
 
 @pytest.mark.slow
@@ -359,3 +359,31 @@ def test_real_extraction_gives_every_domain_enough_heldout_text(tmp_path, monkey
         assert not paragraphs["train"] & paragraphs["heldout"], name
     sources = (folder / "SOURCES.md").read_text(encoding="utf-8")
     assert "| python | python3-doc | python3." in sources and "| ? |" not in sources
+
+
+def test_a_killed_corpus_build_is_cleaned_by_the_next_one(tmp_path, monkeypatch):
+    """A build killed midway left a hidden `.corpus-*` folder (tempfile.mkdtemp) that nothing removed. The cache is
+    now built in the staged write's stage (destinations.build_cache): the next build removes what a dead one left,
+    and a build that fails leaves nothing beside the cache."""
+    monkeypatch.delenv("HF_TANGENT_CORPUS_DIR", raising=False)
+    monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
+    target = tmp_path / "corpus" / corpora.CORPUS_VERSION
+    killed = target.parent / f".{target.name}.hf_tangent-staging-0123abcd"
+    (killed / "python" / "train").mkdir(parents=True)  # a killed build's half-written stage
+    monkeypatch.setattr(corpora, "extract_packages", lambda folder: (ROOT, {}))
+    stages = []
+
+    def build(root, staging, versions, fail=False):
+        stages.append(staging)
+        if fail:
+            raise RuntimeError("stopped while building")
+        return debian.build_corpus(root, staging, versions, SMALL)
+
+    monkeypatch.setattr(corpora, "build_corpus", lambda *a: build(*a, fail=True))
+    with pytest.raises(RuntimeError, match="stopped while building"):
+        corpora.corpus_dir()
+    assert list(target.parent.iterdir()) == []  # the dead build's stage removed, the failed one's too
+    monkeypatch.setattr(corpora, "build_corpus", build)
+    assert corpora.corpus_dir() == target
+    assert [p.name for p in target.parent.iterdir()] == [target.name] and not corpora._missing(target)
+    assert all(s.parent == target.parent and s.name.startswith(f".{target.name}.hf_tangent-staging-") for s in stages)

@@ -38,7 +38,6 @@ QUANTITIES = {
     "diversity_after_attention": "spherical diversity of h + A over one sequence",
     "diversity_after_ffn": "spherical diversity of the block outputs over one sequence",
 }
-PER_SEQUENCE = {"diversity_before_attention", "diversity_after_attention", "diversity_after_ffn"}
 
 
 def _dot(a, b):

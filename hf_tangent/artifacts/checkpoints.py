@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.destinations import recover, stage
+from ..core.destinations import build_cache
 
 logger = logging.getLogger("hf_tangent")
 
@@ -93,10 +93,8 @@ def _converted(name: str, gguf) -> Path:
     if importlib.util.find_spec("gguf") is None:  # transformers' own error would not name the extra
         raise RuntimeError(f"hf_tangent: the offline model {name!r} is converted once from GGUF, which needs the "
                            "`recipes` extra (gguf is not installed): pip install 'hf_tangent[recipes]'")
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    recover(target)  # the stages a killed conversion left (hundreds of MB each), each with a log line
-    with stage(target) as staging:
-        staging.chmod(0o755)
+
+    def build(staging: Path) -> None:
         (staging / "scratch").mkdir()
         gguf_folder, gguf_file = gguf(staging / "scratch")
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
@@ -110,11 +108,8 @@ def _converted(name: str, gguf) -> Path:
         model.load_state_dict(loaded.state_dict())
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        try:
-            os.replace(staging, target)  # atomic: a concurrent converter may have won the race
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
+
+    build_cache(target, build, lambda folder: (folder / "model.safetensors").is_file())
     return target
 
 

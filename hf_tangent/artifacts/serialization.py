@@ -136,11 +136,6 @@ def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict
     return config_file, data, record
 
 
-def read_patch_record(path: str | os.PathLike, **hub_kwargs) -> dict:
-    """The checked "hf_tangent" record of a saved folder's (or hub repo's) config.json."""
-    return _read_config(path, **hub_kwargs)[2]
-
-
 def transformers_class(name):
     """The transformers model class of that name (a patch's recorded base class: the class a folder's remote
     code subclasses), or None (records before 0.3 name none; a class this transformers version lacks)."""

@@ -335,6 +335,22 @@ def stage(target: Path):
         _close(fds)
 
 
+def build_cache(target: Path, build, complete) -> None:
+    """A cache folder made once (a converted model, an extracted corpus): `build(stage)` fills a stage beside
+    `target`, which moves in by one rename; where another process got there first, its folder stays if
+    `complete(target)`. What a killed build left is removed by the next (`recover`)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover(target)
+    with stage(target) as staging:
+        staging.chmod(0o755)
+        build(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not complete(target):
+                raise
+
+
 def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:
     """{"staging" / "ready" / "old": the leftovers beside `target` no live writer holds}, newest first, each
     locked (its descriptor in `fds`) while recover() acts on it."""

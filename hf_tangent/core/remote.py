@@ -59,16 +59,16 @@ def register_conversions(patched_class: str, base_class: str, patched_type: str,
             register_checkpoint_conversion_mapping(patched, mapping, overwrite=True)
 
 
-def init_patched(model, config) -> None:
+def init_patched(model, config, apply=patch) -> None:
     """The patch a saved record describes, applied in the model's `__init__` (which creates the gates that
-    from_pretrained then fills)."""
+    from_pretrained then fills); `apply`: `patching.patch_saved` where no verifying forward can run (vLLM)."""
     record = getattr(config, CONFIG_KEY, None)
     if record is None:
         return
     fields = dict(record["config"])
     if fields.get("implementation") == "triton":  # a CUDA kernel: the same rule as one autograd Function
         fields["implementation"] = "fused"
-    patch(model, TangentConfig.from_dict(fields, strict=True))
+    apply(model, TangentConfig.from_dict(fields, strict=True))
     if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
         set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
                      steps=record["homotopy"].get("steps"))

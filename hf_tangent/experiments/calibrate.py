@@ -133,7 +133,7 @@ def calibrate_gates(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     patch(model, tangent)
     record = patch_record(model, base_model=named) if writes_patch else None  # before any wrapping: unsharded
     freeze_all_but_gates(model)
-    with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates", resume=args.resume_from_checkpoint,
+    with RunFolder(args.output_dir, writer="hf_tangent.calibrate_gates",
                    active=args.process_index == 0):  # the Trainer's checkpoints, maybe the patch
         trainer = train(model, lm_dataset(train_set), args)
         model.eval()  # every rank evaluates: a ZeRO-3 / FSDP forward is a collective

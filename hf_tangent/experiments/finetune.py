@@ -154,7 +154,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
                                                    read=read))
     dataset = lm_dataset(training)
     clock = Clock()
-    with RunFolder(args.output_dir, writer="hf_tangent.finetune", resume=args.resume_from_checkpoint,
+    with RunFolder(args.output_dir, writer="hf_tangent.finetune",
                    active=args.process_index == 0):  # runs/<rule>-seed<k>: checkpoints, saved models
         runs = [_run(model, first, tokenizer, rule, seed, variants[rule], method, lora, dataset, held_out, args,
                      eval_batch_size, dtype, save_models) for seed in seeds for rule in names]

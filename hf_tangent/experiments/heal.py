@@ -247,7 +247,7 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
     clock = Clock()
     unpatched_windows = _nll(first, held_out)
     unpatched = unpatched_windows["nll"]
-    with RunFolder(args.output_dir, writer="hf_tangent.heal", resume=args.resume_from_checkpoint,
+    with RunFolder(args.output_dir, writer="hf_tangent.heal",
                    active=args.process_index == 0):  # runs/seed<k>: checkpoints, saved models
         runs = [_run(first, tokenizer, tangent, seed, settings, lora, dataset, held_out, args, save_models,
                      save_full_models, base_name, prompt, max_new_tokens, unpatched, provenance_line(provenance))

@@ -99,11 +99,11 @@ ACTIVE: dict[Path, int] = {}  # folder -> the thread whose open RunFolder holds 
 
 class RunFolder:
     """A run's writes into its output folder (module docstring); yields the folder's absolute path.
-    `inputs`: what the run reads (check_inputs); `resume` (its resume_from_checkpoint) changes nothing:
-    nothing in the folder moves. `active=False` (a rank that does not write the folder) and a RunFolder
+    `inputs`: what the run reads (check_inputs); resuming from a checkpoint moves nothing in the folder either.
+    `active=False` (a rank that does not write the folder) and a RunFolder
     inside another of the same folder and thread (a command's recipe) do nothing."""
 
-    def __init__(self, folder, *, writer: str = "hf_tangent", resume=False, active: bool = True,
+    def __init__(self, folder, *, writer: str = "hf_tangent", active: bool = True,
                  inputs: dict | None = None):
         self.folder = Path(os.path.abspath(os.fspath(folder)))
         self.writer, self.inputs, self.active = writer, inputs, active

@@ -176,19 +176,18 @@ def run_variant(study: str, variant: str, seed: int, scale: dict, arch: str, tok
             "config": None if config is None else config.to_dict()}
 
 
-BUDGET_KEYS = ("max_steps", "eval_every", "learning_rate", "batch_size", "seq_len", "train_windows", "val_windows")
-# the range of every budget override (`hf-tangent study --max-steps ...` and run_study(overrides=...))
+# the budget overrides and their ranges (`hf-tangent study --max-steps ...` and run_study(overrides=...))
 BUDGET_RANGES = {"max_steps": at_least(1), "eval_every": at_least(1), "learning_rate": Range(0, open_low=True),
                  "batch_size": at_least(1), "seq_len": at_least(2), "train_windows": at_least(1),
                  "val_windows": at_least(1)}
 
 
 def resolve_scale(scale_name: str, overrides: dict | None = None) -> dict:
-    """The scale's settings with the user's budget overrides (only keys in BUDGET_KEYS, positive values)."""
+    """The scale's settings with the user's budget overrides (only keys of BUDGET_RANGES, in their ranges)."""
     scale = dict(SCALES[scale_name])
     for key, value in (overrides or {}).items():
-        if key not in BUDGET_KEYS:
-            raise ValueError(f"unknown study setting {key!r}; accepted: {', '.join(BUDGET_KEYS)}.")
+        if key not in BUDGET_RANGES:
+            raise ValueError(f"unknown study setting {key!r}; accepted: {', '.join(BUDGET_RANGES)}.")
         if value is None:
             continue
         check_values(BUDGET_RANGES, **{key: value})  # a number of the key's type: never a list or a string
@@ -207,7 +206,7 @@ def run_study(study: str, scale_name: str = "smoke", *, arch: str = "gpt2", vari
     Args:
         study: tangential, retraction or noise; scale_name: smoke, cpu or paper (model size and budget).
         arch: gpt2 or gpt_neox; variants: a subset (the baseline always runs); seeds: default the scale's.
-        branches: ("ffn",) or ("ffn", "attention"); overrides: budget keys of BUDGET_KEYS (each a number of
+        branches: ("ffn",) or ("ffn", "attention"); overrides: budget keys of BUDGET_RANGES (each a number of
             its key's type and range, None: the scale's value).
         progress: a progress bar updated once per finished run (tqdm), or None.
         train_docs, val_docs: documents that replace the scale's text (both or neither); data: their name.

@@ -14,12 +14,12 @@ import contextlib
 import math
 
 import torch
+from transformers import TrainerCallback
 
 from ..analysis.evaluation import eval_mode
 from ..core.patching import HomotopySchedule, disabled, set_homotopy, tangent_layers
 from ..core.wrappers import peft_model_of
 from ..ranges import Range, at_least, check_values, validated
-from .trainer import _transformers_callback
 
 # Distillation temperatures: > 0, and at most 100 (Hinton et al. use up to 20): the loss is scaled by T^2 and the
 # softmaxes at T flatten towards uniform, so at a huge T (1e308: T^2 = inf) the loss is NaN or all rounding.
@@ -55,7 +55,7 @@ def homotopy_value(step: int, steps: int, schedule: str = "linear") -> float:
     return t if schedule == "linear" else 0.5 - 0.5 * math.cos(math.pi * t)
 
 
-class HomotopyCallback(_transformers_callback()):
+class HomotopyCallback(TrainerCallback):
     """Sets the patch's lambda before every step from the global step, so a run resumed from a
     checkpoint continues the schedule where it stopped. With `stages` > 1 the homotopy is
     progressive: the patched layers, in depth order, form `stages` contiguous groups, and group g

@@ -14,6 +14,7 @@ import warnings
 from typing import ClassVar
 
 import torch
+from transformers import TrainerCallback, TrainingArguments
 
 from ..analysis.diagnostics import QUANTITIES, diagnose
 from ..core.patching import CHILD_NAME, tangent_layers
@@ -61,20 +62,8 @@ def gate_summary(gates: dict[int, float]) -> dict:
             "argmin": min(gates, key=gates.get), "argmax": max(gates, key=gates.get)}
 
 
-def _transformers_callback():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-def _transformers_training_arguments():
-    from transformers import TrainingArguments
-
-    return TrainingArguments
-
-
 @dataclasses.dataclass
-class TangentTrainingArguments(_transformers_training_arguments()):
+class TangentTrainingArguments(TrainingArguments):
     """`transformers.TrainingArguments` with hf_tangent's defaults: a fixed number of optimizer steps,
     a loss logged every step, a reproducible data order, no checkpoints unless `save_steps` > 0, no
     logging backend, and gloo for multi-process runs on CPU. Every other field is the Trainer's own
@@ -122,16 +111,12 @@ class TangentTrainingArguments(_transformers_training_arguments()):
             self.save_strategy, self.save_steps = "no", 500
         if self.gradient_checkpointing and self.gradient_checkpointing_kwargs is None:
             self.gradient_checkpointing_kwargs = {"use_reentrant": False}
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None and not _has_accelerator():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.ddp_backend is None and not torch.cuda.is_available():
             self.ddp_backend = "gloo"
             self.ddp_find_unused_parameters = False
         if self.data_seed is None:
             self.data_seed = self.seed
         super().__post_init__()
-
-
-def _has_accelerator() -> bool:
-    return torch.cuda.is_available()
 
 
 def training_arguments(output_dir: str, *, max_steps: int, learning_rate: float, batch_size: int,
@@ -242,19 +227,13 @@ class TrainableCheckpoints:
         flags = [p.requires_grad for p in self.model.parameters()]
         return any(flags) and not all(flags)
 
-    def _outside_adapters(self) -> dict[str, torch.Tensor]:
-        """The trainable parameters the checkpoint must hold besides what the Trainer's own save writes."""
-        adapters = tuple(f".{name}." for name in getattr(self.model, "peft_config", None) or ())
-        return {name: p for name, p in self.model.named_parameters()
-                if p.requires_grad and not (adapters and any(a in name for a in adapters))}
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not (_internal_call and self._trainable_only()):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if getattr(self.model, "peft_config", None):
             super().save_model(output_dir, _internal_call)  # PEFT saves the adapters only
-        tensors = self._outside_adapters()
+        tensors = outside_adapters(self.model)
         if tensors and self.args.should_save:
             from safetensors.torch import save_file
 
@@ -296,9 +275,7 @@ def load_trainable(model, path: str) -> None:
 
     saved = load_file(path)
     params = dict(model.named_parameters())
-    trainable = {name for name, p in params.items() if p.requires_grad}
-    adapters = tuple(f".{name}." for name in getattr(model, "peft_config", None) or ())
-    expected = {name for name in trainable if not (adapters and any(a in name for a in adapters))}
+    expected = set(outside_adapters(model))
     unknown = sorted(set(saved) - set(params))
     missing = sorted(expected - set(saved))
     shapes = sorted(n for n in set(saved) & set(params) if tuple(saved[n].shape) != tuple(params[n].shape))
@@ -312,11 +289,18 @@ def load_trainable(model, path: str) -> None:
             params[name].copy_(value.to(params[name].device))
 
 
+def outside_adapters(model) -> dict[str, torch.Tensor]:
+    """The trainable parameters a checkpoint must hold besides what the Trainer's own save writes (PEFT's adapters)."""
+    adapters = tuple(f".{name}." for name in getattr(model, "peft_config", None) or ())
+    return {name: p for name, p in model.named_parameters()
+            if p.requires_grad and not (adapters and any(a in name for a in adapters))}
+
+
 def loss_curve(trainer) -> list[tuple[int, float]]:
     return [(row["step"], row["loss"]) for row in trainer.state.log_history if "loss" in row]
 
 
-class ObserveCallback(_transformers_callback()):
+class ObserveCallback(TrainerCallback):
     """Calls `observe(model) -> dict` before the first step, every `every` steps and at the last
     step (on the main process); keeps the rows in `history`, and logs them through the trainer
     (so every `report_to` backend gets them) once attached with `callback.attach(trainer)`."""

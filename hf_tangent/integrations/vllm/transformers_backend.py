@@ -13,9 +13,9 @@ from __future__ import annotations
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 
 from ...artifacts.serialization import _base_config
-from ...core.config import TangentConfig
-from ...core.patching import patch_saved, set_homotopy
+from ...core.patching import patch_saved
 from ...core.registry import CONFIG_KEY
+from ...core.remote import init_patched
 
 
 class HfTangentTransformersForCausalLM(TransformersForCausalLM):
@@ -33,14 +33,7 @@ class HfTangentTransformersForCausalLM(TransformersForCausalLM):
         if self.pp_group.world_size > 1:
             raise ValueError("hf_tangent vLLM plugin: pipeline parallelism is not served for "
                              f"{type(self).__name__}; serve it on one pipeline stage.")
-        record = getattr(self.config, CONFIG_KEY)
-        fields = dict(record["config"])
-        if fields.get("implementation") == "triton":  # the same rule, as the remote code does
-            fields["implementation"] = "fused"
-        patch_saved(self.model, TangentConfig.from_dict(fields, strict=True))  # the gates: loaded after this
-        if record.get("homotopy") is not None:
-            homotopy = record["homotopy"]
-            set_homotopy(self.model, homotopy["lambda"], schedule=homotopy.get("schedule"), steps=homotopy.get("steps"))
+        init_patched(self.model, self.config, apply=patch_saved)  # as the remote code does; the gates: loaded after this
 
 
 class HfTangentGPTNeoXForCausalLM(HfTangentTransformersForCausalLM):

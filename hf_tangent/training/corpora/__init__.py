@@ -20,12 +20,12 @@ packages, versions, licences and sizes).
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ...artifacts.checkpoints import cache_dir
+from ...core.destinations import build_cache
 from .austen import AUSTEN_SPLITS, austen_dir, austen_source, check_text_files
 from .debian import CORPUS_DOMAINS, CORPUS_ENV, DOMAINS, SPLITS, Domain, Sizes, build_corpus, extract_packages
 
@@ -68,22 +68,9 @@ def corpus_dir() -> Path:
 
 def _extract(target: Path) -> None:
     """Downloads, reads and splits the packages into a staging folder, then moves it in place in one step."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         root, versions = extract_packages(Path(tmp))
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".corpus-"))
-        try:
-            build_corpus(root, staging, versions)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    staging.chmod(0o755)
-    try:
-        os.replace(staging, target)
-    except OSError:  # another process got there first (or an unfinished folder is in the way)
-        shutil.rmtree(staging, ignore_errors=True)
-        if _missing(target):
-            raise
+        build_cache(target, lambda staging: build_corpus(root, staging, versions), lambda folder: not _missing(folder))
 
 
 def domain_documents(domain: str, split: str) -> list[str]:

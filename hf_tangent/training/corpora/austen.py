@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...artifacts.checkpoints import cache_dir
+from ...core.destinations import build_cache
 from ..extras import needs_recipes
 
 AUSTEN_SPLITS = {
@@ -71,24 +72,15 @@ def _extract_austen_from_debian(target: Path) -> None:
         subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(Path(tmp) / "x")], check=True)
         data = next((Path(tmp) / "x").rglob("janeaustenr/data/Rdata.rdx")).parent
         novels = read_r_lazyload(data / "Rdata")
-    staging = Path(tempfile.mkdtemp(dir=_mkdir(target.parent), prefix=".austen-"))
-    for name in AUSTEN_NOVELS:
-        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
     version = debs[0].name.split("_")[1]  # name_version_arch.deb: what reports record as the text's source
-    (staging / SOURCE_FILE).write_text(json.dumps({"package": "r-cran-janeaustenr", "version": version}) + "\n",
-                                       encoding="utf-8")
-    staging.chmod(0o755)
-    try:
-        os.replace(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not _has_novels(target):
-            raise
 
+    def build(staging: Path) -> None:
+        for name in AUSTEN_NOVELS:
+            (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
+        (staging / SOURCE_FILE).write_text(json.dumps({"package": "r-cran-janeaustenr", "version": version}) + "\n",
+                                           encoding="utf-8")
 
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    build_cache(target, build, _has_novels)
 
 
 def read_r_lazyload(stem: Path) -> dict:
