@@ -640,7 +640,9 @@ def rule_calls() -> str:
 
 
 DECODE_RUNS = ("benchmarks/results/decode_cpu.json", "benchmarks/results/decode_cpu_process_time_before.json",
-               "benchmarks/results/decode_cpu_process_time.json")
+               "benchmarks/results/decode_cpu_process_time.json",
+               "benchmarks/results/decode_cpu_process_time_rerun_415ba94.json",
+               "benchmarks/results/decode_cpu_process_time_rerun.json")
 
 
 def decode_speed() -> str:
