@@ -61,16 +61,14 @@ def corpus_dir() -> Path:
         raise FileNotFoundError(f"the corpus cache {target} is incomplete (no documents for {', '.join(missing)}); "
                                 "delete that folder to extract the corpus again, or set "
                                 f"{CORPUS_ENV} to a complete copy.")
-    if missing:
-        _extract(target)
-    return target
+    return build_cache(target, _extract, lambda folder: not _missing(folder))
 
 
-def _extract(target: Path) -> None:
-    """Downloads, reads and splits the packages into a staging folder, then moves it in place in one step."""
+def _extract(staging: Path) -> None:
+    """Downloads, reads and splits the packages into the stage."""
     with tempfile.TemporaryDirectory() as tmp:
         root, versions = extract_packages(Path(tmp))
-        build_cache(target, lambda staging: build_corpus(root, staging, versions), lambda folder: not _missing(folder))
+        build_corpus(root, staging, versions)
 
 
 def domain_documents(domain: str, split: str) -> list[str]:
