@@ -363,8 +363,8 @@ def test_real_extraction_gives_every_domain_enough_heldout_text(tmp_path, monkey
 
 def test_a_killed_corpus_build_is_cleaned_by_the_next_one(tmp_path, monkeypatch):
     """A build killed midway left a hidden `.corpus-*` folder (tempfile.mkdtemp) that nothing removed. The cache is
-    now built in the staged write's stage (destinations.build_cache): the next use removes what a dead build left,
-    also beside a complete cache, and a build that fails leaves nothing beside the cache."""
+    now built in the staged write's stage (destinations.build_cache): the next build removes what a dead one left,
+    and a build that fails leaves nothing beside the cache."""
     monkeypatch.delenv("HF_TANGENT_CORPUS_DIR", raising=False)
     monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
     target = tmp_path / "corpus" / corpora.CORPUS_VERSION
@@ -387,26 +387,3 @@ def test_a_killed_corpus_build_is_cleaned_by_the_next_one(tmp_path, monkeypatch)
     assert corpora.corpus_dir() == target
     assert [p.name for p in target.parent.iterdir()] == [target.name] and not corpora._missing(target)
     assert all(s.parent == target.parent and s.name.startswith(f".{target.name}.hf_tangent-staging-") for s in stages)
-    killed.mkdir()  # a build killed after another one finished: removed at the next use, the cache kept (review)
-    assert corpora.corpus_dir() == target and len(stages) == 2
-    assert [p.name for p in target.parent.iterdir()] == [target.name]
-
-
-def test_the_austen_cache_is_built_in_a_stage_and_a_killed_build_beside_it_is_removed(tmp_path, monkeypatch):
-    """The Austen novels' cache goes through the same build_cache: a build that fails (no apt here) leaves
-    nothing, and a dead build's stage beside a complete cache is removed at the next use."""
-    from hf_tangent.training.corpora import austen
-
-    monkeypatch.delenv("HF_TANGENT_AUSTEN_DIR", raising=False)
-    monkeypatch.setenv("HF_TANGENT_CACHE", str(tmp_path))
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match="apt-get/dpkg-deb are not available here.*HF_TANGENT_AUSTEN_DIR"):
-        austen.austen_dir()
-    assert list(tmp_path.iterdir()) == []
-    cache = tmp_path / "austen"
-    cache.mkdir()
-    for name in austen.AUSTEN_NOVELS:
-        (cache / f"{name}.txt").write_text("It is a truth universally acknowledged.", encoding="utf-8")
-    (tmp_path / ".austen.hf_tangent-staging-0123abcd" / "half").mkdir(parents=True)
-    assert austen.austen_dir() == cache
-    assert [p.name for p in tmp_path.iterdir()] == ["austen"]

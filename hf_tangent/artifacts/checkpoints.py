@@ -86,12 +86,15 @@ def _converted(name: str, gguf) -> Path:
 
     # Config formats differ between transformers majors (rope fields): one cache per major.
     target = cache_dir() / f"{name}-transformers{transformers.__version__.split('.')[0]}"
+    if (target / "model.safetensors").is_file():
+        return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:  # transformers' own error would not name the extra
+        raise RuntimeError(f"hf_tangent: the offline model {name!r} is converted once from GGUF, which needs the "
+                           "`recipes` extra (gguf is not installed): pip install 'hf_tangent[recipes]'")
+
     def build(staging: Path) -> None:
-        if importlib.util.find_spec("gguf") is None:  # transformers' own error would not name the extra
-            raise RuntimeError(f"hf_tangent: the offline model {name!r} is converted once from GGUF, which needs the "
-                               "`recipes` extra (gguf is not installed): pip install 'hf_tangent[recipes]'")
         (staging / "scratch").mkdir()
         gguf_folder, gguf_file = gguf(staging / "scratch")
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=gguf_file)
@@ -106,7 +109,8 @@ def _converted(name: str, gguf) -> Path:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
-    return build_cache(target, build, lambda folder: (folder / "model.safetensors").is_file())
+    build_cache(target, build, lambda folder: (folder / "model.safetensors").is_file())
+    return target
 
 
 def offline_folder(name: str) -> Path:

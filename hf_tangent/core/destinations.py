@@ -335,16 +335,12 @@ def stage(target: Path):
         _close(fds)
 
 
-def build_cache(target: Path, build, complete) -> Path:
-    """A cache folder made once (a converted model, an extracted corpus), called at every use: what a killed
-    build left beside `target` is removed (`recover`), a folder that is `complete` is returned as it is, else
-    `build(stage)` fills a stage beside it, which moves in by one rename (where another process got there first,
-    its complete folder stays). A complete folder is only read (a cache on a read-only filesystem works)."""
-    if target.parent.is_dir():
-        recover(target)
-        if complete(target):
-            return target
+def build_cache(target: Path, build, complete) -> None:
+    """A cache folder made once (a converted model, an extracted corpus): `build(stage)` fills a stage beside
+    `target`, which moves in by one rename; where another process got there first, its folder stays if
+    `complete(target)`. What a killed build left is removed by the next (`recover`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover(target)
     with stage(target) as staging:
         staging.chmod(0o755)
         build(staging)
@@ -353,7 +349,6 @@ def build_cache(target: Path, build, complete) -> Path:
         except OSError:
             if not complete(target):
                 raise
-    return target
 
 
 def _abandoned(target: Path, fds: list[int]) -> dict[str, list[Path]]:

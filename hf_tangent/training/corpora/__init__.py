@@ -61,14 +61,16 @@ def corpus_dir() -> Path:
         raise FileNotFoundError(f"the corpus cache {target} is incomplete (no documents for {', '.join(missing)}); "
                                 "delete that folder to extract the corpus again, or set "
                                 f"{CORPUS_ENV} to a complete copy.")
-    return build_cache(target, _extract, lambda folder: not _missing(folder))
+    if missing:
+        _extract(target)
+    return target
 
 
-def _extract(staging: Path) -> None:
-    """Downloads, reads and splits the packages into the stage."""
+def _extract(target: Path) -> None:
+    """Downloads, reads and splits the packages into a staging folder, then moves it in place in one step."""
     with tempfile.TemporaryDirectory() as tmp:
         root, versions = extract_packages(Path(tmp))
-        build_corpus(root, staging, versions)
+        build_cache(target, lambda staging: build_corpus(root, staging, versions), lambda folder: not _missing(folder))
 
 
 def domain_documents(domain: str, split: str) -> list[str]:

@@ -47,10 +47,13 @@ def austen_dir() -> Path:
         if not _has_novels(Path(override)):
             raise FileNotFoundError(f"HF_TANGENT_AUSTEN_DIR={override} lacks some of {[n + '.txt' for n in AUSTEN_NOVELS]}.")
         return Path(override)
-    return build_cache(cache_dir() / "austen", _extract_austen_from_debian, _has_novels)
+    target = cache_dir() / "austen"
+    if not _has_novels(target):
+        _extract_austen_from_debian(target)
+    return target
 
 
-def _extract_austen_from_debian(staging: Path) -> None:
+def _extract_austen_from_debian(target: Path) -> None:
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise RuntimeError(
             "hf_tangent: the default Austen corpus comes from Debian's r-cran-janeaustenr package, but "
@@ -70,10 +73,14 @@ def _extract_austen_from_debian(staging: Path) -> None:
         data = next((Path(tmp) / "x").rglob("janeaustenr/data/Rdata.rdx")).parent
         novels = read_r_lazyload(data / "Rdata")
     version = debs[0].name.split("_")[1]  # name_version_arch.deb: what reports record as the text's source
-    for name in AUSTEN_NOVELS:
-        (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
-    (staging / SOURCE_FILE).write_text(json.dumps({"package": "r-cran-janeaustenr", "version": version}) + "\n",
-                                       encoding="utf-8")
+
+    def build(staging: Path) -> None:
+        for name in AUSTEN_NOVELS:
+            (staging / f"{name}.txt").write_text("\n".join(str(line) for line in novels[name]), encoding="utf-8")
+        (staging / SOURCE_FILE).write_text(json.dumps({"package": "r-cran-janeaustenr", "version": version}) + "\n",
+                                           encoding="utf-8")
+
+    build_cache(target, build, _has_novels)
 
 
 def read_r_lazyload(stem: Path) -> dict:
