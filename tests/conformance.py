@@ -17,7 +17,8 @@ hooks and fused), the artifacts:
 
 each loaded by:
 
-    transformers     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    transformers     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True), patched by the
+                     folder's own copy of the core (as where hf_tangent is not installed)
     no remote code   AutoModelForCausalLM.from_pretrained(path)
     hf_tangent       ht.from_pretrained(path)
     AutoPeftModel    AutoPeftModelForCausalLM.from_pretrained(path) (and path/adapter for a repo with LoRA)
@@ -244,8 +245,29 @@ def _cell(ref, artifact, loader, make, lora: bool = False, auto: bool = True) ->
     return {"status": "exact" if worst <= TOLERANCE else "wrong", "diff": worst}
 
 
+@contextlib.contextmanager
+def _as_the_folders_copy():
+    """The *transformers* column measures the folder's own copy of the core, which patches a model where
+    hf_tangent is not installed or is an older release: a folder's remote code hands its patch to an installed
+    hf_tangent of its release or newer (core/remote.py), which the *hf_tangent* column measures already. So
+    while a type is checked, its remote code reads the installed release as 0 (transformers 4.x keeps a
+    folder's modules by the folder's name: a module imported earlier in the process keeps what it read)."""
+    from hf_tangent.core import _version
+
+    release, _version.__version__ = _version.__version__, "0"
+    try:
+        yield
+    finally:
+        _version.__version__ = release
+
+
 def check_type(model_type: str, work: Path) -> dict:
     """Every cell of one type: {"type", "family", "cells": [...], "note"}."""
+    with _as_the_folders_copy():
+        return _check_type(model_type, work)
+
+
+def _check_type(model_type: str, work: Path) -> dict:
     row = {"type": model_type, "family": family(model_type), "cells": [], "note": ""}
     try:
         with _quiet():
@@ -416,7 +438,9 @@ def render(reports: list[dict]) -> str:
              "(`ht.save_patch`: a PEFT adapter folder), an exported folder (`hf-tangent export`), a folder re-saved by",
              "the model its remote code loaded and a Trainer's output_dir (the model's save beside `checkpoint-1/`; with",
              "LoRA, the PeftModel's save); each is loaded by plain transformers with `trust_remote_code=True`",
-             "(*transformers*) and without (*no remote code*), by `ht.from_pretrained` (*hf_tangent*) and by PEFT's",
+             "(*transformers*: patched by the folder's own copy of the core, as where hf_tangent is not installed; with",
+             "hf_tangent installed at the folder's release or newer, the remote code hands the patch to it) and without",
+             "(*no remote code*), by `ht.from_pretrained` (*hf_tangent*) and by PEFT's",
              "`AutoPeftModelForCausalLM` (also on a patch repo's `adapter/` folder), `PeftModel.from_pretrained(base, ...)`",
              "and transformers' `base.load_adapter(...)`, in float32 and, for some cells, bfloat16. Not a cell: " + NO_HOOK,
              "(PEFT gives no hook to refuse an unpatched base; docs/peft.md).",

@@ -157,6 +157,7 @@ def tiny_lm_folder(tmp_path_factory) -> Path:
 
 _REMOTE_CODE_SCRIPT = """
 import sys, torch
+sys.modules["hf_tangent"] = None  # import hf_tangent fails here: the folder's remote code alone
 from transformers import AutoModelForCausalLM
 folder, io = sys.argv[1], sys.argv[2]
 try:  # without the remote code a patched folder is refused, never loaded as its unpatched base

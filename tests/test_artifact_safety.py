@@ -666,6 +666,50 @@ def test_a_model_loaded_through_remote_code_saves_as_hf_tangent_saves(tiny_lm_fo
     assert torch.equal(logits(ht.from_pretrained(repo)), logits(model))
 
 
+def test_remote_code_hands_its_patch_to_the_installed_release_and_its_copy_refuses_what_it_does_not_ship(
+        tiny_lm_folder, tmp_path, monkeypatch):
+    """Issue 59: a folder ships install.py, not the public operations (patching.py). With hf_tangent installed at the
+    folder's release the remote code hands the patch to it, so the model is the package's own (its classes, every
+    operation). With an older release installed the folder's copy patches the model: the package reads its config
+    and hands each operation to the copy, which refuses what it does not ship by name, the model unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_tangent.core._version as version
+    from hf_tangent.core.layer import TangentLayer
+
+    model = gated(tiny_lm_folder)
+    model.save_pretrained(tmp_path / "hub")
+    model.save_pretrained(tmp_path / "hub-older")  # a folder of another name: its remote code imports afresh
+    own = AutoModelForCausalLM.from_pretrained(tmp_path / "hub", trust_remote_code=True).eval()
+    assert type(own).__module__.startswith("transformers_modules.")
+    assert type(ht.get_config(own)) is ht.TangentConfig and {type(c) for c in ht.tangent_layers(own)} == {TangentLayer}
+    assert torch.equal(logits(own), logits(model))
+    with ht.disabled(own):
+        assert torch.equal(logits(own), logits(base(tiny_lm_folder)))
+    release = version.__version__
+    monkeypatch.setattr(version, "__version__", "0.0.1")
+    copied = AutoModelForCausalLM.from_pretrained(tmp_path / "hub-older", trust_remote_code=True).eval()
+    assert ht.get_config(copied) == ht.get_config(model) and type(ht.get_config(copied)) is ht.TangentConfig
+    ht.set_homotopy(copied, 0.0)  # the copy ships it (the record's homotopy is applied on load)
+    assert torch.equal(logits(copied), logits(base(tiny_lm_folder)))
+    ht.set_homotopy(copied, 1.0)
+    for name, call in (("unpatch", lambda: ht.unpatch(copied)), ("tangent_layers", lambda: ht.tangent_layers(copied)),
+                       ("update_config", lambda: ht.update_config(copied, beta=0.5)),
+                       ("disabled", lambda: ht.disabled(copied).__enter__())):
+        with pytest.raises(ValueError, match=rf"hf_tangent\.{name}: the model's patch was made by the remote code of a "
+                                             rf"folder saved with hf_tangent {re.escape(release)} .*which has no {name} \(.*this one is 0\.0\.1\); "
+                                             "load the folder with hf_tangent.from_pretrained, or upgrade"):
+            call()
+    assert torch.equal(logits(copied), logits(model))
+    # ht.save_pretrained is hf_tangent's staged save on it too (it wrote transformers' save over a user's folder)
+    for target in (user_folder(tmp_path / "notes"), Path(tiny_lm_folder)):
+        before = snapshot(target)
+        with pytest.raises(DestinationError, match="non-empty folder that hf_tangent did not write"):
+            ht.save_pretrained(copied, target)
+        assert snapshot(target) == before
+    assert torch.equal(logits(ht.from_pretrained(ht.save_pretrained(copied, tmp_path / "saved"))), logits(model))
+
+
 @pytest.mark.parametrize("installed", ["0.0.1", "0.3.0-dirty"], ids=["older", "unreadable"])
 def test_remote_code_with_an_older_or_unreadable_installed_release_saves_as_transformers(tiny_lm_folder, tmp_path,
                                                                                          monkeypatch, installed):

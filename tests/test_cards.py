@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tangent as ht
 from hf_tangent.artifacts.hub import is_hub_id
-from hf_tangent.core.patching import PATCHED_BASE_NAME
+from hf_tangent.core.install import PATCHED_BASE_NAME
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M"
 

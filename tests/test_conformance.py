@@ -196,8 +196,10 @@ def test_parallel_residual_families_patch_in_bfloat16(model_type, tmp_path):
 
 
 def test_api_works_on_a_model_loaded_through_remote_code(tmp_path):
-    """Each function used to see no patch on such a model (its layers are the folder's copy's classes):
-    unpatch returned and left it patched, disabled and set_homotopy changed nothing, update_config failed."""
+    """Each function used to see no patch on such a model (its layers were the folder's copy's classes):
+    unpatch returned and left it patched, disabled and set_homotopy changed nothing, update_config failed. With
+    hf_tangent installed at the folder's release the remote code now hands the patch to it (a model patched by
+    the folder's copy: tests/test_artifact_safety.py)."""
     base = build("llama")
     unpatched = _logits(base)
     model = ht.patch(copy.deepcopy(base), ht.TangentConfig(update="projected", gates=True, eps_mode="relative"))

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import hf_tangent as ht
-from hf_tangent.core.patching import PATCHED_BASE_NAME
+from hf_tangent.core.install import PATCHED_BASE_NAME
 
 CONFIG = ht.TangentConfig(update="projected", layers=[0])
 # huggingface_hub's own refusal of a name that is no folder and no repo id, before any request

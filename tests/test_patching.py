@@ -334,12 +334,12 @@ def test_one_entry_architectures(model_type, ids):
 
 
 def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
-    """patching.patch_saved (vLLM's Transformers backend: no forward can run while it patches): the same patch
+    """install.patch_saved (vLLM's Transformers backend: no forward can run while it patches): the same patch
     as `patch`, bit for bit, with the verification probe never called; refused where the spec would have to
     be discovered by that probe (no registry entry, no saved spec)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    import hf_tangent.core.patching as patching
+    import hf_tangent.core.install as install
 
     config = ht.TangentConfig(update="projected", gates=True, parallel_layers=[1])
     reference = ht.patch(make_tiny("llama"), config)
@@ -349,8 +349,8 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("the probe ran")
 
-    monkeypatch.setitem(patching._PACKAGE, "require_verified", no_probe)
-    model = patching.patch_saved(make_tiny("llama"), config)
+    monkeypatch.setitem(install._PACKAGE, "require_verified", no_probe)
+    model = install.patch_saved(make_tiny("llama"), config)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
     assert ht.get_config(model) == ht.get_config(reference)
@@ -359,5 +359,5 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
     phi3 = unseen(Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, pad_token_id=0)).eval()
     with pytest.raises(ValueError, match="UnseenPhi3ForCausalLM has no registry entry and no saved spec"):
-        patching.patch_saved(phi3, config)
+        install.patch_saved(phi3, config)
     assert ht.get_config(phi3) is None

@@ -359,7 +359,7 @@ def test_push_to_hub_uploads_a_complete_repository(calibrated, monkeypatch, tiny
     assert ht.push_to_hub(model, "user/tiny-gated", private=True) == "commit"
     assert calls["create"] == ("user/tiny-gated", {"private": True, "exist_ok": True})
     assert {"config.json", "model.safetensors", "README.md", "modeling_hf_tangent.py", "configuration_hf_tangent.py",
-            "patching.py"} <= set(calls["files"])
+            "install.py"} <= set(calls["files"])
     assert calls["config"]["auto_map"] == {"AutoConfig": "configuration_hf_tangent.HfTangentLlamaConfig",
                                            "AutoModelForCausalLM": "modeling_hf_tangent.HfTangentLlamaForCausalLM"}
     assert calls["config"]["model_type"] == "hf_tangent_llama"

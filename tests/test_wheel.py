@@ -96,7 +96,7 @@ def test_installed_wheel_runs_the_main_job_outside_the_checkout(wheel, tmp_path)
     assert report["model"] == "smollm2-135m" and report["text"]["calibration"] == "austen:calibration"
     assert [r["variant"] for r in report["update_variants"]] == ["unpatched", "projected"]
     hub = work / "out" / "model"
-    assert {"README.md", "config.json", "modeling_hf_tangent.py", "patching.py"} <= {p.name for p in hub.iterdir()}
+    assert {"README.md", "config.json", "modeling_hf_tangent.py", "install.py"} <= {p.name for p in hub.iterdir()}
     assert "Delta L" in (hub / "README.md").read_text()
     logits = work / "logits.pt"
     probe = ("import sys, torch; ids = torch.tensor([[1, 2, 3, 4, 5, 6]]); model = {load}.eval(); "

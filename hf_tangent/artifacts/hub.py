@@ -25,9 +25,11 @@ from importlib import resources
 from pathlib import Path
 
 from ..core.destinations import REMOTE_GENERATED_FILES, SHIPPED_CORE_MODULES, check_destination, replacing
-from ..core.patching import CONFIG_KEY, get_config, register_patched_format
+from ..core.gather import full_state_dict
+from ..core.install import CONFIG_KEY, register_patched_format
+from ..core.patching import get_config
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
-from ..core.wrappers import full_state_dict, model_class, unwrap
+from ..core.wrappers import model_class, unwrap
 from .checkpoints import OFFLINE_MODELS
 from .offline import needs_hub
 from .serialization import save_pretrained

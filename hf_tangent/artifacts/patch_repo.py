@@ -32,9 +32,11 @@ from ..core._version import __version__
 from ..core.config import TangentConfig
 from ..core.destinations import ADAPTER_PEFT_TYPE, ADAPTER_RECORD_FILE, PATCH_RECORD_FILE, check_destination, replacing
 from ..core.discovery import decoder_layers
-from ..core.patching import CONFIG_KEY, PATCHED_BASE_NAME, get_config, patch, set_homotopy, tangent_layers
+from ..core.gather import sharding_engine
+from ..core.install import CONFIG_KEY, PATCHED_BASE_NAME
+from ..core.patching import get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
-from ..core.wrappers import peft_model_of, sharding_engine, unwrap
+from ..core.wrappers import peft_model_of, unwrap
 from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import is_hub_id, save_hub_folder, upload
@@ -265,7 +267,7 @@ def _record_of_adapter(data, where: str) -> dict:
 CARD_SECTIONS = ("title", "training", "results", "notes")  # what card= may hold (str values)
 def _unloadable_alone(config_file: Path) -> None:
     """adapter/'s base is hf_tangent's marker, whatever the PeftModel recorded: a loader that would put the adapters
-    on the unpatched base it names refuses, with what to do in its message (patching.PATCHED_BASE_NAME)."""
+    on the unpatched base it names refuses, with what to do in its message (install.PATCHED_BASE_NAME)."""
     data = json.loads(config_file.read_text(encoding="utf-8"))
     data["base_model_name_or_path"] = PATCHED_BASE_NAME
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 
 from ..core.config import TangentConfig
+from ..core.destinations import AtomicSave
 from ..core.discovery import architecture
-from ..core.patching import CHILD_NAME, CONFIG_KEY, HOMOTOPY_OPTIONS, patch, set_homotopy, tangent_layers
+from ..core.gather import full_state_dict
+from ..core.install import CHILD_NAME, CONFIG_KEY, HOMOTOPY_OPTIONS
+from ..core.patching import get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, base_model_type
-from ..core.wrappers import full_state_dict, model_class, unwrap
+from ..core.wrappers import model_class, unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
 _RECORD_FIELDS = {"config": dict, "model_type": str, "num_layers": int, "patched_layers": list, "parallel_layers": list}
@@ -299,7 +302,10 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
         return None
     base = unwrap(model)
     folder = Path(folder)
-    base.save_pretrained(folder, state_dict=state, **kwargs)  # a patched model's own: staged, never destroys
+    save = base.save_pretrained  # a patched model's own: staged, never destroys; a model patched by a folder's
+    if get_config(base) is not None and not isinstance(save, AtomicSave):  # copy of the core: transformers' own
+        save = AtomicSave(base)
+    save(folder, state_dict=state, **kwargs)
     config_file = folder / "config.json"
     data = json.loads(config_file.read_text(encoding="utf-8"))
     if (data.get("architectures") or [""])[0].startswith("FSDP"):  # FSDP2 subclasses the model class in place

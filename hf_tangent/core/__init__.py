@@ -1,16 +1,16 @@
 """The core: the update rules (rules.py) and their fused / Triton forms, one layer's patch (layer.py), the
-architecture table (registry.py) and its discovery (discovery.py), `patch` / `unpatch` (patching.py),
-wrappers, and where a writer may write (destinations.py).
+architecture table (registry.py) and its discovery (discovery.py), a patch put on and taken off (install.py),
+the public operations (patching.py), wrappers, and where a writer may write (destinations.py).
 
 A patched folder ships part of it as remote code (`destinations.REMOTE_CODE_MODULES`: what a patched forward
-needs). The modules it does not ship (discovery, destinations, triton_update) reach the shipped ones here, by
-registration: this file is not copied, so in remote code the shipped modules run without them."""
+needs). The modules it does not ship (patching, discovery, destinations, gather, triton_update) reach the
+shipped ones here, by registration: this file is not copied, so in remote code the shipped modules run
+without them."""
 
-from . import destinations, discovery, layer, patching
+from . import destinations, discovery, install, layer
 
-patching.register_package(resolve_spec=discovery.resolve_spec, require_verified=discovery.require_verified,
+install.register_package(resolve_spec=discovery.resolve_spec, require_verified=discovery.require_verified,
                           atomic_save=destinations.AtomicSave)
-discovery.register_unpatching(patching.disabled)  # discovery probes a model with its patch off
 
 
 def _triton_kernel():

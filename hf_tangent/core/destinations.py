@@ -75,10 +75,10 @@ RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.
 # What a patched folder carries as remote code: the core modules a patched forward needs (it patches from the saved
 # spec: no discovery, no write safety, no Triton kernel) and the two files hub.py generates.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
-SHIPPED_CORE_MODULES = ("_version.py", "calls.py", "config.py", "fused.py", "fused_parallel.py", "layer.py", "options.py",
-                        "patching.py", "registry.py", "remote.py", "rules.py", "wrappers.py")
+SHIPPED_CORE_MODULES = ("_version.py", "calls.py", "config.py", "fused.py", "fused_parallel.py", "install.py", "layer.py",
+                        "options.py", "registry.py", "remote.py", "rules.py", "wrappers.py")
 REMOTE_CODE_MODULES = (*SHIPPED_CORE_MODULES, *REMOTE_GENERATED_FILES)
-_EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "triton_update.py")  # what earlier saves shipped too
+_EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "patching.py", "triton_update.py")  # earlier saves shipped these too
 logger = logging.getLogger("hf_tangent")
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.

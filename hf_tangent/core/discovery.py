@@ -24,17 +24,8 @@ import re
 import torch
 from torch import nn
 
+from .patching import disabled, require_model
 from .registry import CONFIG_KEY, ArchitectureSpec, base_model_type, get_registered, remember_discovered
-from .wrappers import require_model
-
-# How to take a model's patch off while probing it: patching.py registers its `disabled` here when it is
-# imported (it builds on this module; a patched model exists only once it is imported).
-_UNPATCHED = [lambda model: contextlib.nullcontext(model)]
-
-
-def register_unpatching(context) -> None:
-    """`context(model)`: the model without its patch inside the block (patching.disabled)."""
-    _UNPATCHED[0] = context
 
 _VERIFIED: dict = {}  # (model class, spec, config) -> Verification
 _PROBE_TOKENS = 8
@@ -81,7 +72,7 @@ def _probe_ids(model) -> torch.Tensor:
 def _probing(model, *, training: bool = False, seed: int = 0):
     """The model as the probe sees it: its patch off, eval (or training) mode, no grad, RNG untouched."""
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with _UNPATCHED[0](model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=cuda):
+    with disabled(model), _mode(model, training), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
 

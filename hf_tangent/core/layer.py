@@ -1,6 +1,6 @@
 """`TangentLayer`: the patch of one decoder layer, its update rule, gate and hook callbacks.
 
-A layer's forward is never replaced: the hooks sit on the layer's own submodules (see patching.py
+A layer's forward is never replaced: the hooks sit on the layer's own submodules (see install.py
 for the list). What a pre-hook hands the hook after it is stored under the calling thread's key and
 popped by that hook, so it never outlives the layer call. Everything else (the rule and its
 arguments, the architecture, which hooks exist) is decided at patch time: the steady-state cost per

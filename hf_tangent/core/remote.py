@@ -16,31 +16,29 @@ from __future__ import annotations
 
 from ._version import __version__
 from .config import TangentConfig
-from .layer import register_kernel
-from .patching import CONFIG_KEY, patch, register_package, set_homotopy
+from .install import CONFIG_KEY, patch_saved, set_homotopy
 
 
-def _use_installed() -> None:
-    """Where hf_tangent is installed at this folder's release or a newer one, a model this remote code loads saves
-    the way hf_tangent saves (staged; a user's folder or the base refused) and may run the Triton kernel; without it,
-    it saves the way transformers saves. The spec stays the saved one (verified when it was saved)."""
+def _installed():
+    """The installed hf_tangent's `init_patched` where it is this folder's release or a newer one: the model's
+    patch is then that package's own, so every hf_tangent function works on it and its saves are staged (a
+    user's folder or the base refused). None where it is older, unreadable or not
+    installed: this copy patches the model, which saves the way transformers saves."""
     if __package__ == "hf_tangent.core":  # the package itself (the vLLM plugin imports this module)
-        return
+        return None
     try:
         from packaging.version import Version
 
-        import hf_tangent.core as installed
+        import hf_tangent.core.remote
 
-        if Version(installed._version.__version__) < Version(__version__):
-            return
-        save, kernel = installed.destinations.AtomicSave, installed._triton_kernel
+        if Version(hf_tangent.core._version.__version__) < Version(__version__):
+            return None
+        return hf_tangent.core.remote.init_patched
     except Exception:  # not installed, or a release this copy cannot read: the copy's own behaviour
-        return
-    register_package(resolve_spec=None, require_verified=None, atomic_save=save)
-    register_kernel("triton", kernel)
+        return None
 
 
-_use_installed()
+_INSTALLED = _installed()
 
 
 def register_conversions(patched_class: str, base_class: str, patched_type: str, base_type: str) -> None:
@@ -59,16 +57,19 @@ def register_conversions(patched_class: str, base_class: str, patched_type: str,
             register_checkpoint_conversion_mapping(patched, mapping, overwrite=True)
 
 
-def init_patched(model, config, apply=patch) -> None:
+def init_patched(model, config) -> None:
     """The patch a saved record describes, applied in the model's `__init__` (which creates the gates that
-    from_pretrained then fills); `apply`: `patching.patch_saved` where no verifying forward can run (vLLM)."""
+    from_pretrained then fills) from the spec the record saved (verified when it was saved): no probe forward,
+    which cannot run there (meta weights; vLLM's attention needs the engine's forward context)."""
+    if _INSTALLED is not None:
+        return _INSTALLED(model, config)
     record = getattr(config, CONFIG_KEY, None)
     if record is None:
         return
     fields = dict(record["config"])
     if fields.get("implementation") == "triton":  # a CUDA kernel: the same rule as one autograd Function
         fields["implementation"] = "fused"
-    apply(model, TangentConfig.from_dict(fields, strict=True))
+    patch_saved(model, TangentConfig.from_dict(fields, strict=True))
     if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
         set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
                      steps=record["homotopy"].get("steps"))

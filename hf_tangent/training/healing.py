@@ -17,7 +17,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..analysis.evaluation import eval_mode
-from ..core.patching import HomotopySchedule, disabled, set_homotopy, tangent_layers
+from ..core.install import HomotopySchedule
+from ..core.patching import disabled, set_homotopy, tangent_layers
 from ..core.wrappers import peft_model_of
 from ..ranges import Range, at_least, check_values, validated
 

@@ -17,8 +17,9 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from ..analysis.diagnostics import QUANTITIES, diagnose
-from ..core.patching import CHILD_NAME, tangent_layers
-from ..core.wrappers import full_parameters, full_value
+from ..core.gather import full_parameters, full_value
+from ..core.install import CHILD_NAME
+from ..core.patching import tangent_layers
 from ..ranges import SEED, Range, at_least, check_ranges
 from .extras import needs_recipes
 

@@ -38,7 +38,7 @@ from vllm.model_executor.models.utils import PPMissingLayer
 from ...artifacts.serialization import _check_record
 from ...core.config import NOISE_UPDATES, TangentConfig
 from ...core.fused import fused_residual_delta
-from ...core.patching import _homotopy_values
+from ...core.install import _homotopy_values
 from ...core.rules import residual_delta
 from ...core.triton_update import INTERPRET, triton_add_rms_norm, triton_residual_delta
 

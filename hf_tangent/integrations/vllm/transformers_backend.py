@@ -13,7 +13,6 @@ from __future__ import annotations
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 
 from ...artifacts.serialization import _base_config
-from ...core.patching import patch_saved
 from ...core.registry import CONFIG_KEY
 from ...core.remote import init_patched
 
@@ -33,7 +32,7 @@ class HfTangentTransformersForCausalLM(TransformersForCausalLM):
         if self.pp_group.world_size > 1:
             raise ValueError("hf_tangent vLLM plugin: pipeline parallelism is not served for "
                              f"{type(self).__name__}; serve it on one pipeline stage.")
-        init_patched(self.model, self.config, apply=patch_saved)  # as the remote code does; the gates: loaded after this
+        init_patched(self.model, self.config)  # as the remote code does; the gates: loaded after this
 
 
 class HfTangentGPTNeoXForCausalLM(HfTangentTransformersForCausalLM):
