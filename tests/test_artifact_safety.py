@@ -729,3 +729,46 @@ def test_remote_code_with_an_older_or_unreadable_installed_release_saves_as_tran
     target = user_folder(tmp_path / "notes")
     loaded.save_pretrained(target)  # transformers' save: written beside the user's files
     assert (target / "notes.txt").read_text() == "my notes" and (target / "config.json").is_file()
+
+
+def test_remote_code_refuses_a_patched_folder_whose_weights_lack_a_gate(tmp_path):
+    """A patched folder whose weights file lacks a gate loaded with trust_remote_code=True: transformers only warned
+    'MISSING ... newly initialized' and left the gate as uninitialised memory (seen: -3.3e+25, 0.0, 220.2 for gates
+    saved as 0.6), with hf_tangent installed and without it. The generated class refuses it, in a fresh process
+    without hf_tangent too; the complete folder still loads, with its loading info where asked."""
+    import subprocess
+    import sys
+
+    from conftest import VOCAB, make_tiny
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected", gates=True))
+    with torch.no_grad():
+        for child in ht.tangent_layers(model):
+            child.gate.fill_(0.6)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+        expected = model(ids).logits
+    folder = tmp_path / "patched"
+    model.save_pretrained(folder)
+    loaded, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and torch.allclose(loaded.eval()(ids).logits, expected, atol=1e-6)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.layers.1.tangent_patch.gate"},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    words = ("the weights of this patched folder lack 1 parameter(s) of its patch (model.layers.1.tangent_patch.gate), "
+             "which would be uninitialised memory")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"
+              f"AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]
+    # a gate of another shape: refused by transformers, and with ignore_mismatched_sizes=True (which only reported
+    # it: the gate was uninitialised memory, 56.3 for 0.6) by the generated class
+    save_file({**weights, "model.layers.1.tangent_patch.gate": torch.ones(2)}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape("hold a mis-shaped 1 parameter(s) of its patch "
+                                                   "(model.layers.1.tangent_patch.gate)")):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, ignore_mismatched_sizes=True)

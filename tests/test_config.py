@@ -11,6 +11,7 @@ from conftest import VOCAB, make_tiny
 
 import hf_tangent as ht
 from hf_tangent import TangentConfig
+from hf_tangent.core.checks import EmptyOptionError
 from hf_tangent.ranges import ChoiceError, OptionTypeError, RangeError, options_of, shown
 
 pytestmark = pytest.mark.core
@@ -35,11 +36,24 @@ pytestmark = pytest.mark.core
         (dict(parallel_layers=[True]), "parallel_layers", OptionTypeError, "a list of integers"),
         (dict(update="retract", retraction="slerp"), "retraction", ChoiceError, "'cayley'"),
         (dict(alpha=torch.tensor(0.5)), "alpha", OptionTypeError, "a number >= -1e+06"),
+        # the explicit checks of the shipped core (core/checks.py) against the words derived from the annotations
+        (dict(branches=[]), "branches", EmptyOptionError, "a non-empty list of values among 'ffn', 'attention'"),
+        (dict(branches=["ffn", "mlp"]), "branches", OptionTypeError, "a non-empty list of values among"),
+        (dict(branches="ffn"), "branches", OptionTypeError, "a non-empty list of values among"),
+        (dict(noise_rank=2.0), "noise_rank", OptionTypeError, "an integer >= 1 and <= 65536"),
+        (dict(noise_rank=0), "noise_rank", RangeError, "an integer >= 1 and <= 65536"),
+        (dict(noise_h=0), "noise_h", RangeError, "a number > 0 and <= 1000"),
+        (dict(update="retract", retraction=1), "retraction", OptionTypeError, "one of 'proj', 'cayley', 'exp', or None"),
+        (dict(update="retract", p="inf"), "p", OptionTypeError, "a number > 0 (inf: the exponential map"),
+        (dict(layers=np.array([0, 1])), "layers", OptionTypeError, "a list of integers, or None"),
+        (dict(gates=np.bool_(True)), "gates", OptionTypeError, "true or false"),
+        (dict(implementation=None), "implementation", OptionTypeError, "one of 'fused', 'reference', 'triton'"),
     ],
 )
 def test_bad_values_name_field_value_and_accepted(kwargs, field, error, accepted):
-    """TangentConfig's checks are every option's (core/options.py): the same errors and words as the recipe
-    functions, the options dataclasses and the command line."""
+    """TangentConfig's explicit checks (core/checks.py, shipped) give the errors and words that every other
+    door derives from the annotations (core/options.py): the recipe functions, the options dataclasses and
+    the command line."""
     with pytest.raises(error) as err:
         TangentConfig(**kwargs)
     message = str(err.value)
@@ -180,3 +194,21 @@ def test_noise_rank_has_an_upper_bound():
                                          r"integer >= 1 and <= 65536"):
         TangentConfig(update="tangent_noise", noise_rank=2**63)
     assert TangentConfig(update="tangent_noise", noise_rank=2**16).noise_rank == 2**16
+
+
+def test_a_str_subclass_is_checked_by_its_text_not_its_own_equality():
+    """A str subclass whose __eq__ ignores case passed the choice and was stored as its own text ('ADD'); with
+    retraction it then raised a bare KeyError. The choice compares the text itself."""
+    class Caseless(str):
+        def __eq__(self, other):
+            return isinstance(other, str) and self.lower() == other.lower()
+
+        __hash__ = str.__hash__
+
+    with pytest.raises(ChoiceError, match=r"TangentConfig.update='ADD' is not one of the choices"):
+        TangentConfig(update=Caseless("ADD"))
+    with pytest.raises(ChoiceError, match=r"TangentConfig.retraction='Cayley' is not one of the choices"):
+        TangentConfig(update="retract", retraction=Caseless("Cayley"))
+    with pytest.raises(OptionTypeError, match=r"TangentConfig.branches="):
+        TangentConfig(branches=[Caseless("FFN")])
+    assert type(TangentConfig(update=Caseless("add")).update) is str

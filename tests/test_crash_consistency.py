@@ -253,6 +253,57 @@ def test_the_stage_of_a_save_still_running_is_left_alone(tiny_lm_folder, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
 
 
+def test_a_stage_is_never_seen_unlocked_by_another_recover(tiny_lm_folder, tmp_path, monkeypatch, caplog):
+    """A stage was made, then locked: a recover() of another process between the two found it unlocked, removed
+    it and logged 'removed .patch.hf_tangent-staging-..., left by an interrupted save' of a save that was running
+    (the save went on under another name). It is made and locked under the parent's lock, which recover() holds
+    while it looks: here a recover() started right after the stage's mkdir waits for it, then leaves it alone."""
+    import threading
+
+    made, mkdir = [], Path.mkdir
+
+    def mkdir_then_recover(path, *args, **kwargs):
+        mkdir(path, *args, **kwargs)
+        if "-staging-" in path.name and not made:
+            made.append(threading.Thread(target=destinations.recover, args=(tmp_path / "patch",)))
+            made[0].start()
+            waits_in_flock(made[0], seconds=5)  # it waits (it used to finish: the stage was unlocked)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_recover)
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        ht.save_patch(_gated(tiny_lm_folder, 0.5), tmp_path / "patch")
+        made[0].join(60)
+    assert not made[0].is_alive() and "interrupted save" not in caplog.text, caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["patch"]
+
+
+def test_the_aside_of_an_output_dir_write_is_never_seen_unlocked_by_another_recover(tmp_path, monkeypatch, caplog):
+    """The second stage of a write into an output_dir (the aside for the earlier save's files) was made while the
+    writer held the folder's lock but not the parent's: a recover() between its mkdir and its lock removed it and
+    logged a false 'interrupted save'. It is made under the parent's lock too."""
+    import threading
+
+    target, stages, mkdir = tmp_path / "out", [], Path.mkdir
+    (target / "checkpoint-1").mkdir(parents=True)
+
+    def mkdir_then_recover(path, *args, **kwargs):
+        mkdir(path, *args, **kwargs)
+        if "-staging-" in path.name:
+            stages.append(threading.Thread(target=destinations.recover, args=(target,)))
+            if len(stages) == 2:
+                stages[1].start()
+                waits_in_flock(stages[1], seconds=5)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_recover)
+    with caplog.at_level(logging.WARNING, logger="hf_tangent"):
+        with destinations.replacing(target) as staging:
+            (staging / "config.json").write_text("{}")
+        stages[1].join(60)
+    assert len(stages) == 2 and not stages[1].is_alive() and "interrupted save" not in caplog.text, caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in target.iterdir()) == ["checkpoint-1", "config.json"]
+
+
 def test_an_empty_folder_is_staged_too_and_keeps_its_mode(tiny_lm_folder, tmp_path):
     """0.3 wrote into an existing empty folder in place: a kill left e.g. gates.safetensors alone, and
     every later save there was refused as a folder hf_tangent did not write. Now it is staged like any

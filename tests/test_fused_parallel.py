@@ -5,6 +5,7 @@ the hook conversion (the model's own code with the FFN fed the block input) give
 import collections
 import copy
 import io
+import json
 import sys
 import threading
 import types
@@ -364,3 +365,46 @@ def test_savers_that_drop_shared_storages_write_every_weight(tmp_path, ids):
         saved = load_file(path)
         assert set(saved) == set(expected)
         assert all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
+def test_a_fused_folder_loads_exactly_through_its_remote_code_which_runs_the_layers_with_hooks(ids, tmp_path):
+    """Issue 59: a saved folder does not ship fused_parallel.py (281 lines); without hf_tangent its copy runs the
+    layers of a parallel_execution='fused' record with the hooks: the same layers, the same logits (bit for bit in
+    float32 on this CPU). The record stays 'fused' (a re-save through the copy loads fused again where hf_tangent
+    is installed), and so does what it refuses: a lambda below 1 on a fused layer. With hf_tangent installed the
+    package's own fused execution runs."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    fused = convert(tiny(), "fused", update="norm_preserving")
+    expected = logits(fused, ids)
+    fused.save_pretrained(tmp_path / "folder")
+    installed = AutoModelForCausalLM.from_pretrained(tmp_path / "folder", trust_remote_code=True).eval()
+    assert torch.equal(logits(installed, ids), expected)
+    assert all(e is not None and e.linked() for e in executions(installed))  # linked at its first call
+    torch.save(ids, tmp_path / "ids.pt")
+    script = f"""
+import sys, torch
+sys.modules["hf_tangent"] = None
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "folder")!r}, trust_remote_code=True).eval()
+assert not any("Fused" in type(m).__name__ for m in model.modules())
+assert model.config.hf_tangent["config"]["parallel_execution"] == "fused"
+with torch.no_grad():
+    torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "out.pt")!r})
+model.save_pretrained({str(tmp_path / "again")!r})
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", trust_remote_code=True).eval()
+    assert torch.equal(logits(again, ids), expected) and all(e is not None for e in executions(again))
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    config["hf_tangent"]["homotopy"] = {"lambda": 0.5, "schedule": None, "steps": None}  # a hand edit
+    (tmp_path / "again" / "config.json").write_text(json.dumps(config))
+    script = script.replace(str(tmp_path / "folder"), str(tmp_path / "again"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode != 0 and "which run with parallel_execution='fused'" in result.stderr, result.stderr[-3000:]

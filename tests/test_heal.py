@@ -111,6 +111,11 @@ def test_per_layer_lambda_equals_patching_only_the_layers_at_one(ids):
         ht.set_homotopy(staged, {0: 0.5, 1: 0.5})
     with pytest.raises(ValueError, match="entry 'x': 0.5; accepted: layer index -> number in"):
         ht.set_homotopy(staged, {"x": 0.5, 1: 0.5, 2: 0.5})
+    # a layer given twice ("0" and 0: the last one was kept) and a digit that is not JSON's ("٠" was layer 0; "²"
+    # raised int()'s own error)
+    for mapping in ({"0": 0.5, 0: 0.2, 1: 0.5, 2: 0.5}, {"\u0660": 0.5, 1: 0.5, 2: 0.5}, {"\u00b2": 0.5, 0: 0.5, 1: 0.5}):
+        with pytest.raises(ValueError, match=r"; accepted: layer index -> number in \[0, 1\], each layer once\."):
+            ht.set_homotopy(staged, mapping)
     assert ht.get_homotopy(staged) == {0: 0.0, 1: 1.0, 2: 0.0}  # a refused call changes nothing
 
 

@@ -225,9 +225,16 @@ def test_supported_model_types_and_registry_extension():
                                          "'discovered'."),
     ("fused_ffn_in", "mlp.up_proj", "OptionTypeError", "fused_ffn_in='mlp.up_proj' has the wrong type (str); accepted: "
                                                        "a list of strings."),
+    ("fused_ffn_in", ["mlp.up_proj", 3], "OptionTypeError", "fused_ffn_in=['mlp.up_proj', 3] has the wrong type (list); "
+                                                            "accepted: a list of strings."),
+    ("fused_ffn_in", ["mlp.up_proj", " "], "RangeError", "fused_ffn_in=['mlp.up_proj', ' '] is out of range; accepted: a "
+                                                         "list of strings, never an empty one."),
+    ("layers", ("model.layers",), "OptionTypeError", "layers=('model.layers',) has the wrong type (tuple); accepted: a "
+                                                     "string."),
+    ("parallel", 1, "OptionTypeError", "parallel=1 has the wrong type (int); accepted: true or false."),
 ])
 def test_register_architecture_checks_its_fields_as_every_option(field, value, error, words):
-    """An architecture's fields are options of the API too: checked by core/options.py, in the words of every
+    """An architecture's fields are options of the API too: checked by core/checks.py, in the words of every
     door (they were checked by hand, as 'ArchitectureSpec.x=... is not valid'), and nothing is registered."""
     fields = dict(model_type="checked_type", layers="model.layers", input_norm=None, attention=None, ffn_norm="norm",
                   mlp="mlp")

@@ -281,6 +281,9 @@ def test_a_gate_transformers_load_adapter_does_not_fill_is_nan_not_one(base_fold
     (lambda c: c.update(base=None), "field 'base' must be the base's record"),
     (lambda c: c.update(format=4), r"TangentPeftConfig.format=4 is out of range; accepted: an integer >= 3 and <= 3"),
     (lambda c: c.update(update="retract"), r"\['update'\] given beside 'patch'"),
+    # a list equal to the default beside 'patch' (it was read as the tuple default, and passed)
+    (lambda c: c.update(parallel_layers=[]), r"\['parallel_layers'\] given beside 'patch'"),
+    (lambda c: c.update(branches=["ffn"]), r"\['branches'\] given beside 'patch'"),
     (lambda c: c.update(homotopy="x"), "TangentPeftConfig.homotopy='x'"),
 ])
 def test_a_hand_edited_config_is_refused_never_defaulted(base_folder, tmp_path, edit, message):

@@ -76,7 +76,7 @@ from transformers import {base} as _Base
 # transformers (4.x) copies only the files this module imports directly: every core module, listed when written.
 {core_imports}
 from .configuration_hf_tangent import {config_cls}
-from .remote import init_patched, register_conversions
+from .remote import check_loaded, init_patched, register_conversions
 
 # the base's weight conversions (key renames, fused experts) for this class and model_type too (remote.py)
 register_conversions("{cls}", "{base}", {config_cls}.model_type, "{base_type}")
@@ -102,6 +102,12 @@ class {cls}(_Base):
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         init_patched(self, config)
+
+    @classmethod
+    def from_pretrained(cls, *args, output_loading_info=False, **kwargs):  # a gate the weights lack is refused
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        check_loaded(info)
+        return (model, info) if output_loading_info else model
 '''
 
 

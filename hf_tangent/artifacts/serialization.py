@@ -105,7 +105,7 @@ def _check_record(record, where: str) -> dict:
                 isinstance(k, str) and k.isdigit() for k in value) else [value]
             for name, given in [*(("lambda", v) for v in values or [None]), ("schedule", homotopy.get("schedule")),
                                 ("steps", homotopy.get("steps"))]:
-                HOMOTOPY_OPTIONS[name].check(given)
+                HOMOTOPY_OPTIONS[name](given)
         except ValueError:
             _fail(where, f"field '{CONFIG_KEY}.homotopy' must be {{'lambda': a number in [0, 1] or {{layer: number}}, "
                          f"'schedule': 'linear' | 'cosine' | null, 'steps': int | null}}, got {homotopy!r}.")

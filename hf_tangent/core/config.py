@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ._version import __version__
-from .options import Range, RangeError, check_fields, own_options
+from .checks import Range, RangeError, choice, flag, index, listed, number
 
 UPDATES = ("add", "projected", "soft", "norm_preserving", "radial", "zero", "retract",
            "tangent_noise", "gaussian_noise", "residual_dropout")
@@ -94,7 +94,7 @@ class TangentConfig:
                           "'triton': one Triton kernel per rule (CUDA; opt-in, not yet measured on hardware)."},
     )
 
-    # The checks of every option (core/options.py: the type from the annotation, the range of a number):
+    # The range of each number (core/checks.py; the command line and the PEFT config read them here too):
     # errors say `TangentConfig.beta=1.5 is out of range; accepted: a number >= 0 and <= 1.`
     RANGES: ClassVar[dict[str, Range]] = {
         "beta": Range(0, 1), "p": Range(0, open_low=True, allow_inf="the exponential map, retraction='exp'"),
@@ -104,7 +104,7 @@ class TangentConfig:
     EMPTY: ClassVar[dict[str, str]] = {"layers": "no layer's update rule changed (a config of parallel_layers only)"}
 
     def __post_init__(self) -> None:
-        check_fields(self, own_options(TangentConfig), prefix="TangentConfig.")  # numbers kept as int / float
+        check_fields(self, "TangentConfig.")
         if self.retraction is not None:
             if self.update != "retract":
                 raise ValueError(f"TangentConfig.retraction={self.retraction!r} with update={self.update!r}: a retraction "
@@ -117,15 +117,11 @@ class TangentConfig:
                 )
             self.p = implied
         self.p = 1.0 if self.p is None else float(self.p)
-        self.branches = tuple(self.branches)
         if len(set(self.branches)) != len(self.branches):
-            accepted = own_options(TangentConfig)["branches"].accepted
-            raise RangeError("TangentConfig.branches", self.branches, f"{accepted}, each at most once")
+            raise RangeError("TangentConfig.branches", self.branches, f"{_BRANCHES_ACCEPTED}, each at most once")
         if self.implementation == "triton" and self.update in NOISE_UPDATES:
             raise ValueError(f"TangentConfig.implementation='triton' with update={self.update!r}: the Triton kernels have "
                              "no noise update; accepted: implementation='fused' or 'reference' for a noise update.")
-        self.layers = None if self.layers is None else tuple(self.layers)
-        self.parallel_layers = tuple(self.parallel_layers)
 
     # ----------------------------------------------------------------- read-only copies
     def __setattr__(self, name: str, value: Any) -> None:
@@ -202,6 +198,35 @@ class TangentConfig:
     @classmethod
     def from_json_string(cls, text: str) -> TangentConfig:
         return cls.from_dict(json.loads(text))
+
+
+_BRANCHES_ACCEPTED = "a non-empty list of values among " + ", ".join(map(repr, BRANCHES))
+
+
+def check_fields(config, prefix: str) -> None:
+    """Every field of `config` (a TangentConfig, or the PEFT config that holds its fields) checked in field
+    order and kept as what it means: numbers as int / float, lists as tuples, text as plain str."""
+    def keep(name, check, *args, **kwargs):
+        object.__setattr__(config, name, check(prefix + name, getattr(config, name), *args, **kwargs))
+
+    ranges = TangentConfig.RANGES
+    keep("update", choice, UPDATES)
+    keep("beta", number, ranges["beta"])
+    keep("p", number, ranges["p"], none=True)
+    keep("retraction", choice, RETRACTION_NAMES, none=True)
+    for name in ("alpha", "eps"):
+        keep(name, number, ranges[name])
+    keep("eps_mode", choice, EPS_MODES)
+    for name in ("gamma", "noise_h", "noise_rank"):
+        keep(name, number, ranges[name])
+    keep("branches", listed, _BRANCHES_ACCEPTED, lambda v: str.__str__(v) if isinstance(v, str) and str.__str__(v)
+         in BRANCHES else None, empty=False)
+    if config.layers is not None:
+        keep("layers", listed, "a list of integers, or None", index, number=True)
+    keep("gates", flag)
+    keep("parallel_layers", listed, "a list of integers", index, number=True)
+    keep("parallel_execution", choice, PARALLEL_EXECUTIONS)
+    keep("implementation", choice, IMPLEMENTATIONS)
 
 
 def _normalize(name: str, indices: tuple[int, ...], num_layers: int) -> tuple[int, ...]:

@@ -18,8 +18,9 @@ target is its old content or the new one, complete. The steps, each one filesyst
                                   then the old folder removed
 
 The writer holds an exclusive `flock` on each folder it stages or moves aside: the lock is on the folder
-itself, so it follows it through the renames, and it ends with the writer's process. So a leftover is
-abandoned exactly when its lock can be taken; nothing but the target it belongs to is read from a name.
+itself, so it follows it through the renames, and it ends with the writer's process; a stage is made and
+locked under the parent's lock, which `recover` holds while it looks. So a leftover is abandoned exactly
+when its lock can be taken; nothing but the target it belongs to is read from a name.
 The next writer or loader of NAME (`recover`) finishes what a killed process left: a ready stage with no
 NAME is moved in, an old folder with no NAME is moved back, and every other abandoned leftover
 (incomplete stages, ready stages that lost, old folders replaced) is removed; each with a log line. Only
@@ -75,10 +76,11 @@ RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.
 # What a patched folder carries as remote code: the core modules a patched forward needs (it patches from the saved
 # spec: no discovery, no write safety, no Triton kernel) and the two files hub.py generates.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
-SHIPPED_CORE_MODULES = ("_version.py", "calls.py", "config.py", "fused.py", "fused_parallel.py", "install.py", "layer.py",
-                        "options.py", "registry.py", "remote.py", "rules.py", "wrappers.py")
+SHIPPED_CORE_MODULES = ("_version.py", "calls.py", "checks.py", "config.py", "fused.py", "install.py", "layer.py",
+                        "registry.py", "remote.py", "rules.py", "wrappers.py")
 REMOTE_CODE_MODULES = (*SHIPPED_CORE_MODULES, *REMOTE_GENERATED_FILES)
-_EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "patching.py", "triton_update.py")  # earlier saves shipped these too
+_EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "fused_parallel.py", "options.py", "patching.py",
+                        "triton_update.py")  # earlier saves shipped these too
 logger = logging.getLogger("hf_tangent")
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.
@@ -312,13 +314,23 @@ def _beside(target: Path, state: str, ident: str) -> Path:
     return target.parent / f".{target.name}.hf_tangent-{state}-{ident}"
 
 
-def _new_stage(target: Path, fds: list[int]) -> Path:
-    """An empty folder beside `target`, locked by this process until its descriptor in `fds` is closed."""
-    for _ in range(100):  # a recover() of another process may remove a stage before it is locked: another name
-        stage = _beside(target, "staging", os.urandom(4).hex())
-        stage.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
-        if _hold(stage, fds, wait=False):
-            return stage
+def _new_stage(target: Path, fds: list[int], *, under_parent: bool = True) -> Path:
+    """An empty folder beside `target`, locked by this process until its descriptor in `fds` is closed. Made and
+    locked under the parent's lock, which recover() holds while it looks, so that no recover() finds it unlocked
+    and removes it as a killed save's leftover (and says so); `under_parent=False` for a writer that holds
+    `target`'s lock already (recover() and replacing() take the parent's first: the other order could deadlock)."""
+    parent: list[int] = []
+    try:
+        for _ in range(100):  # without the parent's lock, a recover() may remove a stage before it is locked
+            if under_parent:
+                _hold(target.parent, parent, wait=True)
+            stage = _beside(target, "staging", os.urandom(4).hex())
+            stage.mkdir()  # the mode a new folder gets here (umask), unlike mkdtemp's 0700
+            if _hold(stage, fds, wait=False):
+                return stage
+            _close(parent)
+    finally:
+        _close(parent)
     raise DestinationError(f"hf_tangent: could not lock a stage beside {target} (another process removed each one).")
 
 
@@ -465,6 +477,7 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     staging = _new_stage(target, fds)
     ident = staging.name[-8:]
     _OWN_STAGES.add(staging)
+    spare = None
     try:
         yield staging
         # one writer of a folder at a time, held while its content is aside or written into (no recover() takes
@@ -482,12 +495,14 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
             else:
                 raise DestinationError(f"{writer}: {target} kept changing while this save waited for it; nothing "
                                        "was replaced.")
+            if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):  # _write_into's aside, made here
+                spare = _new_stage(target, fds)  # under the parent's lock (this thread holds it: no wait)
         finally:
             _close(parent)
         check_destination(folder, protected=protected, writer=writer)  # it may have changed while we wrote
         if target.is_dir() and any(map(_output_dir_entry, target.iterdir())):
             _OWN_STAGES.discard(staging)
-            staging = _write_into(target, staging, ident, fds)
+            staging = _write_into(target, staging, ident, fds, spare)
             return
         if target.is_dir():
             staging.chmod(target.stat().st_mode & 0o7777)
@@ -530,6 +545,8 @@ def replacing(folder, *, protected=(), writer: str = "hf_tangent"):
     finally:
         _OWN_STAGES.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)
+        if spare is not None:  # unused, or renamed to the aside (gone from this name)
+            shutil.rmtree(spare, ignore_errors=True)
         _close(fds)
 
 
@@ -553,7 +570,7 @@ def _after_failed_move(target: Path, aside: Path, ours: os.stat_result, err: Bas
         logger.error(message)
 
 
-def _write_into(target: Path, staging: Path, ident: str, fds: list[int]) -> Path:
+def _write_into(target: Path, staging: Path, ident: str, fds: list[int], spare: Path | None = None) -> Path:
     """Move a staged save into an output_dir (module docstring); every entry that is not the earlier save's stays
     as it is. A failure on the way undoes each move in reverse order, so each state between is one `recover`
     reads the same way. Returns the stage's last name (removed by the caller)."""
@@ -564,7 +581,9 @@ def _write_into(target: Path, staging: Path, ident: str, fds: list[int]) -> Path
     try:
         if os.path.lexists(aside):
             raise DestinationError(f"hf_tangent: {aside} is in the way of this save (not made by it); remove it.")
-        spare = _new_stage(target, fds)  # the aside made locked under a stage's name: never unlocked while named
+        # the aside, made locked under a stage's name (never unlocked while named); made by replacing() under the
+        # parent's lock unless the folder became an output_dir only since
+        spare = spare or _new_stage(target, fds, under_parent=False)
         try:
             os.replace(spare, aside)
         except BaseException:

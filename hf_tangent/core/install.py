@@ -15,7 +15,7 @@ else runs per call; the model is checked, and its layers verified numerically, w
 The gate (if any) is a 1-element parameter of the child, which is called in forward (DeepSpeed ZeRO-3
 gathers it; FSDP and ZeRO-3 refuse 0-dim parameters). A patch is built and checked whole before it touches
 the model, and the previous patch is put back if anything fails while installing (`_commit`).
-The one exception to "hooks only" is the opt-in fused parallel execution (fused_parallel.py).
+The one exception to "hooks only" is the opt-in fused parallel execution (fused_parallel.py, package only).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Literal
 
 from torch import nn
 
+from .checks import Range, choice, number
 from .config import TangentConfig
 from .layer import TangentLayer
-from .options import Option, Range
 from .registry import (
     BASE_TYPE_ATTR,
     CONFIG_KEY,
@@ -371,10 +371,11 @@ def _commit(model, new: _PatchState) -> None:
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")
 HomotopySchedule = Literal[HOMOTOPY_SCHEDULES]
-# set_homotopy's options (and a saved record's homotopy), checked as every option is (core/options.py)
-HOMOTOPY_OPTIONS = {"lambda": Option("lambda", float, Range(0, 1)), "schedule": Option("schedule", HomotopySchedule | None),
-                    "steps": Option("steps", int | None, Range(0, integer=True))}
-_LAMBDA = Option("lambda", float | dict[int, float], Range(0, 1))  # one number, or one per layer
+_UNIT = Range(0, 1)
+# set_homotopy's options (and a saved record's homotopy): name -> its check (core/checks.py)
+HOMOTOPY_OPTIONS = {"lambda": lambda value: number("lambda", value, _UNIT),
+                    "schedule": lambda value: choice("schedule", value, HOMOTOPY_SCHEDULES, none=True),
+                    "steps": lambda value: number("steps", value, Range(0, integer=True), none=True)}
 
 
 def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None = None):
@@ -386,9 +387,7 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
         raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")
     children = [child for _, child in _patched_layers(base)]
     values = _homotopy_values(value, [child.index for child in children])
-    HOMOTOPY_OPTIONS["schedule"].check(schedule)
-    HOMOTOPY_OPTIONS["steps"].check(steps)
-    steps = None if steps is None else int(steps)
+    schedule, steps = HOMOTOPY_OPTIONS["schedule"](schedule), HOMOTOPY_OPTIONS["steps"](steps)
     _refuse_fused_blend(config, [c.index for c in children if c.parallel], values, "set_homotopy")
     for child in children:
         child.blend = values[child.index]
@@ -413,15 +412,15 @@ def _refuse_fused_blend(config: TangentConfig, parallel, values: dict[int, float
 def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
     """{layer: lambda} for every patched layer, from one lambda or a per-layer mapping (checked)."""
     if not isinstance(value, dict):
-        _LAMBDA.check(value)  # lambda=1.5 is out of range; accepted: a number >= 0 and <= 1 or a mapping.
+        number("lambda", value, _UNIT, accepted=f"{_UNIT.describe()} or a mapping")  # one lambda, or one per layer
         return {i: float(value) for i in layers}
     parsed = {}
     for key, v in value.items():
-        index = int(key) if isinstance(key, str) and key.isdigit() else key
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"hf_tangent.set_homotopy: entry {key!r}: {v!r}; accepted: layer index -> number in [0, 1].")
-        dataclasses.replace(HOMOTOPY_OPTIONS["lambda"], name=f"lambda[{key!r}]").check(v)
-        parsed[int(index)] = float(v)
+        index = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key  # JSON's "3", not "٣"
+        if isinstance(index, bool) or not isinstance(index, int) or int(index) in parsed:
+            raise ValueError(f"hf_tangent.set_homotopy: entry {key!r}: {v!r}; accepted: layer index -> number in [0, 1], "
+                             "each layer once.")
+        parsed[int(index)] = float(number(f"lambda[{key!r}]", v, _UNIT))
     if set(parsed) != set(layers):
         raise ValueError(f"hf_tangent.set_homotopy: the mapping gives layers {sorted(parsed)}; accepted: exactly the "
                          f"patched layers {layers}.")

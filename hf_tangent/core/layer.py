@@ -18,25 +18,24 @@ from torch import nn
 from .calls import call_key
 from .config import NOISE_UPDATES, TangentConfig
 from .fused import fused_residual_delta
-from .fused_parallel import FusedParallelExecution
 from .registry import ArchitectureSpec
 from .rules import noise_delta, residual_delta
 
-_KERNELS: dict = {}  # implementation -> delta function, for the optional kernels
-_KERNEL_LOADERS: dict = {}  # implementation -> loader (hf_tangent/core/__init__.py; remote code ships none)
+_KERNELS: dict = {}  # name -> the optional kernel: "triton" (a delta function), "fused_parallel" (its class)
+_KERNEL_LOADERS: dict = {}  # name -> loader (hf_tangent/core/__init__.py; remote code ships none)
 
 
-def register_kernel(implementation: str, loader) -> None:
-    _KERNEL_LOADERS[implementation] = loader
+def register_kernel(name: str, loader) -> None:
+    _KERNEL_LOADERS[name] = loader
 
 
-def _load_triton():
-    if "triton" not in _KERNELS:
-        if "triton" not in _KERNEL_LOADERS:
+def _load(name: str):
+    if name not in _KERNELS:
+        if name not in _KERNEL_LOADERS:
             raise ValueError("hf_tangent: implementation='triton' needs the installed hf_tangent; a saved folder's "
                              "remote code runs the same rule as implementation='fused'.")
-        _KERNELS["triton"] = _KERNEL_LOADERS["triton"]()
-    return _KERNELS["triton"]
+        _KERNELS[name] = _KERNEL_LOADERS[name]()
+    return _KERNELS[name]
 
 
 def _triton_rule(*args, **kwargs):
@@ -70,7 +69,7 @@ class TangentLayer(nn.Module):
         # An 'add' update without alpha or gate is the model's own add: no hook needed.
         self.applies_update = update and (config.update != "add" or config.alpha != 1.0 or gated)
         self.attention_branch = update and "attention" in config.branches and config.update != "add"
-        self.fused_execution = None  # FusedParallelExecution when parallel_execution="fused"
+        self.fused_execution = None  # fused_parallel.FusedParallelExecution when parallel_execution="fused"
         self.spec: ArchitectureSpec | None = None  # set by prepare
         self.scale = 1.0  # s in out = r + s * ffn_out(...) (residual multipliers)
         self.exact_in_training = True  # False: dropout acts after ffn_out, so only eval mode is exact
@@ -231,9 +230,11 @@ class TangentLayer(nn.Module):
         self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
         self._refresh()
         if self.config.implementation == "triton":
-            _load_triton()
-        if self.parallel and self.config.parallel_execution == "fused":
-            self.fused_execution = FusedParallelExecution(spec, layer)
+            _load("triton")
+        # a folder's copy of the core has no fused_parallel.py: there the same layers run with the hooks (its
+        # record, and what it refuses, stay those of parallel_execution="fused")
+        if self.parallel and self.config.parallel_execution == "fused" and "fused_parallel" in _KERNEL_LOADERS:
+            self.fused_execution = _load("fused_parallel")(spec, layer)
         for role in self.roles:
             spec.submodule(layer, role)
         param = next(layer.parameters(), None)

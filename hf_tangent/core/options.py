@@ -1,19 +1,15 @@
-"""Valid values of options, checked one way for every door: the *type* an annotation names (an integer,
-a number, true/false, a string, a list of them, one of some choices, ...) and, for numbers, the *range*
-(`Range`: never NaN, nor +-inf unless it says what inf means). A refused value raises `RangeError` (a
-ValueError; `OptionTypeError`, also a TypeError, for the wrong type) naming the option, the value and
-what is accepted. A number is any `numbers.Real` but bool (numpy scalars, `Fraction`), kept as a Python
-int / float (`plain`); a 0-dim tensor or array is not one: it is refused by its type's name.
-
-Standard library only: `TangentConfig` uses it in a patched folder's remote code; hf_tangent.ranges
-builds the checks of every recipe function, options dataclass, command and recipe file on it."""
+"""Valid values of options, derived from annotations for every door but the shipped core: the *type* an
+annotation names (an integer, a number, true/false, a string, a list of them, one of some choices, ...)
+and, for numbers, the *range* (`Range`, core/checks.py). A refused value raises checks.py's errors, in the
+words its explicit checks use (TangentConfig's; tests/test_config.py compares the two). A number is kept as
+a Python int / float (`plain`). Not shipped in a saved folder: hf_tangent.ranges builds the checks of every
+recipe function, options dataclass, command and recipe file on it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
-import math
 import numbers
 import os
 import types
@@ -21,103 +17,14 @@ import typing
 from collections.abc import Sequence
 from typing import Literal, Union
 
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """low <= value <= high (`open_low` / `open_high`: strict); None: unbounded. `integer`: an int.
-    NaN is never accepted; +-inf only with `allow_inf`, a note that says what inf means."""
-
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-    integer: bool = False
-    allow_inf: str | None = None
-
-    def accepts(self, value) -> bool:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return False
-        if isinstance(value, numbers.Integral):  # exact, however large: no float conversion (10**400)
-            value = int(value)
-            if not self.integer and not _fits_float(value):
-                return False  # a number option: an int beyond float range is no finite number
-        else:
-            try:
-                value = float(value)  # Fraction(10**400) is no finite number either
-            except OverflowError:
-                return False
-            if self.integer or math.isnan(value) or (math.isinf(value) and not self.allow_inf):
-                return False
-        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
-            return False
-        return not (self.high is not None and (value >= self.high if self.open_high else value > self.high))
-
-    def describe(self) -> str:
-        bounded = self.low is not None and self.high is not None
-        kind = "an integer" if self.integer else "a number" if bounded or self.allow_inf else "a finite number"
-        low = None if self.low is None else f"{'>' if self.open_low else '>='} {_number(self.low)}"
-        high = None if self.high is None else f"{'<' if self.open_high else '<='} {_number(self.high)}"
-        text = " and ".join([f"{kind} {low or high or ''}".strip()] + ([high] if low and high else []))
-        return f"{text} (inf: {self.allow_inf})" if self.allow_inf else text
-
-
-def _fits_float(value: int) -> bool:
-    try:
-        float(value)
-    except OverflowError:
-        return False
-    return True
-
-
-def _number(x) -> str:
-    return str(int(x)) if isinstance(x, int) else f"{x:g}"
-
-
-class RangeError(ValueError):
-    """A value outside its option's range; `name`, `value` and `accepted` for the caller's wording."""
-
-    problem = "is out of range"
-
-    def __init__(self, name: str, value, accepted: str):
-        self.name, self.value, self.accepted = name, value, accepted
-        super().__init__(f"{name}={shown(value)} {self.problem}; accepted: {accepted}.")
-
-    def as_option(self) -> str:
-        """The same error in command-line words: `--seq-len 1 is out of range; accepted: ...`."""
-        word = lambda v: shown(v) if isinstance(v, int) else str(v)  # noqa: E731  (10**400 by its size)
-        value = " ".join(map(word, self.value)) or "[]" if isinstance(self.value, (list, tuple)) else word(self.value)
-        return f"--{self.name.replace('_', '-')} {value} {self.problem}; accepted: {self.accepted}."
-
-
-def shown(value) -> str:
-    """A value as an error names it: its repr, or for an object with a long repr (a whole
-    TrainingArguments) its type only."""
-    text = repr(value)
-    if isinstance(value, int) and len(text) > 40:  # 10**400: its size, not its digits
-        return f"{text[:12]}...({len(text.lstrip('-'))} digits)"
-    return text if len(text) <= 120 and "\n" not in text else f"<{type(value).__name__} object>"
-
-
-class OptionTypeError(RangeError, TypeError):
-    """A value of the wrong type for its option (a string for a number, a float for an integer, a 0-dim
-    tensor for a number: `.item()` is one)."""
-
-    def __init__(self, name: str, value, accepted: str, number: bool = False):
-        zero_dim = number and not isinstance(value, numbers.Number) and getattr(value, "ndim", None) == 0
-        self.problem = f"has the wrong type ({type(value).__name__}{', 0-dim: pass .item()' if zero_dim else ''})"
-        super().__init__(name, value, accepted)
-
-
-class ChoiceError(RangeError):
-    """A value of the right type that is none of the option's choices (dtype="float64")."""
-
-    problem = "is not one of the choices"
-
-
-class EmptyOptionError(RangeError):
-    """An empty list for an option where an empty list means nothing (seeds=[], variants=[], ...)."""
-
-    problem = "is empty"
+from .checks import (  # noqa: F401  (re-exported: the names every door imports from here)
+    ChoiceError,
+    EmptyOptionError,
+    OptionTypeError,
+    Range,
+    RangeError,
+    shown,
+)
 
 
 @typing.runtime_checkable

@@ -16,7 +16,7 @@ from typing import Literal
 
 from torch import nn
 
-from .options import RangeError, check_fields, own_options
+from .checks import OptionTypeError, RangeError, choice, flag, listed
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,18 @@ class ArchitectureSpec:
     source: Literal["registry", "discovered"] = "registry"
 
     def __post_init__(self):  # the registry is shared by every model: a bad entry must never get in
-        check_fields(self, own_options(ArchitectureSpec), prefix="ArchitectureSpec.")  # core/options.py: every option's check
-        for name, value in vars(self).items():  # and an attribute path is never empty
-            if any(not v.strip() for v in (value if isinstance(value, tuple) else [value]) if isinstance(v, str)):
-                raise RangeError(f"ArchitectureSpec.{name}", value, f"{own_options(ArchitectureSpec)[name].accepted}, "
-                                 "never an empty one")
-            if isinstance(value, list):  # fused_*_in: kept as tuples, so that a spec is hashable
-                object.__setattr__(self, name, tuple(value))
+        for f in dataclasses.fields(self):
+            name, value, where = f.name, getattr(self, f.name), f"ArchitectureSpec.{f.name}"
+            if name == "parallel":
+                flag(where, value)
+            elif name == "source":
+                object.__setattr__(self, name, choice(where, value, ("registry", "discovered")))
+            elif name.startswith("fused_"):  # kept as tuples, so that a spec is hashable
+                object.__setattr__(self, name, listed(where, value, "a list of strings", _path(where, value, many=True)))
+            else:
+                optional = name not in ("model_type", "layers", "ffn_norm")
+                if not (value is None and optional):
+                    object.__setattr__(self, name, _path(where, value, optional)(value))
         if self.ffn_out is None and self.mlp is None:
             raise ValueError(f"hf_tangent: the spec of '{self.model_type}' names neither mlp nor ffn_out.")
 
@@ -133,6 +138,23 @@ def _alternatives(path: str, layer: nn.Module) -> list[str]:
         if not owner or owner == type(layer).__name__:
             found.append(sub)
     return found
+
+
+def _path(where: str, whole, optional: bool = False, many: bool = False):
+    """The check of an attribute path (a str, never blank), kept as a plain str; `whole` is the value an
+    error names (`many`: the list of a fused_* field, whose wrong items listed() reports)."""
+    words = "a list of strings" if many else "a string, or None" if optional else "a string"
+
+    def check(value):
+        if not isinstance(value, str):
+            if many:
+                return None
+            raise OptionTypeError(where, whole, words)
+        if not value.strip():
+            raise RangeError(where, whole, f"{words}, never an empty one")
+        return str.__str__(value)
+
+    return check
 
 
 def _get(root: nn.Module, path: str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .config import TangentConfig
-from .install import CONFIG_KEY, patch_saved, set_homotopy
+from .install import CHILD_NAME, CONFIG_KEY, patch_saved, set_homotopy
 
 
 def _installed():
@@ -73,3 +73,16 @@ def init_patched(model, config) -> None:
     if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
         set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
                      steps=record["homotopy"].get("steps"))
+
+
+def check_loaded(info: dict) -> None:
+    """from_pretrained's loading info of a patched folder: a gate its weights did not hold is refused (transformers
+    only warns, and leaves the parameter as uninitialised memory)."""
+    for problem, keys in (("lack", info.get("missing_keys", ())),  # mismatched: with ignore_mismatched_sizes=True
+                          ("hold a mis-shaped", [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())])):
+        ours = sorted(k for k in keys if f".{CHILD_NAME}." in k)
+        if ours:
+            raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(ours)} parameter(s) of its "
+                             f"patch ({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}), which would be "
+                             "uninitialised memory; the folder is incomplete or was edited. Save it again from the "
+                             "patched model (save_pretrained, or hf_tangent.save_hub_folder).")

@@ -15,9 +15,10 @@ import typing
 
 from peft import PeftConfig
 
-from ...core.config import TangentConfig
+from ...core.config import TangentConfig, check_fields
 from ...core.destinations import ADAPTER_PEFT_TYPE  # its peft_type; PEFT's PeftType enum is closed (__init__.py)
-from ...core.options import Range, check_fields, own_options
+from ...core.options import Range, own_options
+from ...core.options import check_fields as check_options
 from ..patch_repo import FORMAT, saved_tangent_config
 
 PREFIX = "hf_tangent_"  # PEFT's method prefix: the gates are `<layer>.tangent_patch.peft.hf_tangent_gate.<adapter>`
@@ -40,10 +41,16 @@ _SAVED = [
         "help": f"the patch-repo format of a saved adapter ({FORMAT}); a newer one is refused"})),
 ]
 
+_TANGENT_NAMES = {name for name, _, _ in _TANGENT}
+
 
 def _post_init(self) -> None:
-    # every field's type and range, named as this class (TangentConfig's fields with TangentConfig's checks)
-    check_fields(self, own_options(type(self)), prefix="TangentPeftConfig.")
+    # every field's type and range, named as this class: PEFT's fields and the saved ones, then TangentConfig's
+    # fields with TangentConfig's checks (which keep lists as tuples: a hand edit beside 'patch' is read before)
+    check_options(self, {k: v for k, v in own_options(type(self)).items() if k not in _TANGENT_NAMES},
+                  prefix="TangentPeftConfig.")
+    given = {f.name: getattr(self, f.name) for f in dataclasses.fields(TangentConfig)}
+    check_fields(self, "TangentPeftConfig.")
     if self.peft_type not in (None, ADAPTER_PEFT_TYPE):
         raise ValueError(f"TangentPeftConfig.peft_type={self.peft_type!r}; accepted: None or {ADAPTER_PEFT_TYPE!r}.")
     self.peft_type = ADAPTER_PEFT_TYPE
@@ -53,7 +60,7 @@ def _post_init(self) -> None:
         checked = TangentConfig(**fields)  # the same validation and messages as TangentConfig
     else:  # read from adapter_config.json
         defaults = {f.name: f.default for f in dataclasses.fields(TangentConfig)}
-        given = sorted(k for k, v in fields.items() if v != defaults[k])
+        given = sorted(k for k, v in given.items() if v != defaults[k])  # a JSON list is never the default tuple
         if given:
             raise ValueError(f"TangentPeftConfig: {given} given beside 'patch'; a saved adapter holds its rule in "
                              "'patch' only (a key beside it is a hand edit: put it in 'patch').")
