@@ -141,7 +141,8 @@ def run_block(clone: Path, page: str, steps, log: Path) -> list[tuple[int, float
             pass
         proc.wait()
     output = log.read_bytes()[start:].decode(errors="replace")
-    marks = [(int(n), kind, rest.split()) for n, kind, rest in re.findall(rf"^{MARK} (\d+) (\w+) (.*)$", output, re.M)]
+    # a mark may follow a line's last output on the same line (a progress bar ends without a newline)
+    marks = [(int(n), kind, rest.split()) for n, kind, rest in re.findall(rf"{MARK} (\d+) (\w+) (.*)$", output, re.M)]
     if rc != 0:
         last = marks[-1][0] if marks else steps[0][0]
         text = next(line for n, line, _ in steps if n == last)
