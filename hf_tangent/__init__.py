@@ -18,7 +18,7 @@ from .artifacts.patch_repo import push_patch, save_patch
 from .artifacts.serialization import from_config, save_pretrained
 from .core._version import __version__
 from .core.config import TangentConfig
-from .core.discovery import describe
+from .core.discovery import describe, register_architecture, supported_model_types
 from .core.patching import (
     TangentLayer,
     disabled,
@@ -30,7 +30,7 @@ from .core.patching import (
     unpatch,
     update_config,
 )
-from .core.registry import ArchitectureSpec, register_architecture, supported_model_types
+from .core.registry import ArchitectureSpec
 from .training.data import TextSource
 
 _register_peft_method()  # PEFT takes TangentPeftConfig from here on (artifacts/adapter)

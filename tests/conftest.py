@@ -116,7 +116,7 @@ def ids() -> torch.Tensor:
 
 
 def spec_of(model):
-    return ht.core.registry.get_spec(model.config.model_type)
+    return ht.core.discovery.get_spec(model.config.model_type)
 
 
 def layer_output(output):
@@ -254,13 +254,13 @@ def as_format_2(folder):
     from safetensors.torch import load_file, save_file
 
     from hf_tangent.artifacts.patch_repo import read_record
-    from hf_tangent.core import registry
+    from hf_tangent.core import discovery
 
     folder = Path(folder)
     record = dict(read_record(folder), format=2)
     record["gates"] = "gates.safetensors" if record["gates"] else None
-    if record["base"]["model_type"] in registry.supported_model_types():  # 0.4 recorded the spec it patched with
-        record["patch"] = dict(record["patch"], architecture=registry.get_spec(record["base"]["model_type"]).to_dict(),
+    if record["base"]["model_type"] in discovery.supported_model_types():  # 0.4 recorded the spec it patched with
+        record["patch"] = dict(record["patch"], architecture=discovery.get_spec(record["base"]["model_type"]).to_dict(),
                                base_architecture=record["base"]["architecture"])
     gates = load_file(folder / "adapter_model.safetensors")
     if record["gates"]:

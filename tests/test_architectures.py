@@ -60,8 +60,8 @@ def test_llama_names_on_gemma3_are_refused():
     """The trap: gemma3 has all four Llama child names; a Llama spec would add the update to the
     attention output's norm. Verification refuses it and names the failed check."""
     model = architectures.build("gemma3_text")
-    llama = registry.get_spec("llama")
-    registry.register_architecture(dataclasses.replace(llama, model_type="gemma3_text"))
+    llama = discovery.get_spec("llama")
+    discovery.register_architecture(dataclasses.replace(llama, model_type="gemma3_text"))
     try:
         with pytest.raises(ValueError, match=r"'gemma3_text'.*did not verify: in layer 0, out != r \+ s \* ffn_out"
                                              r".*post_attention_layernorm.*register_architecture"):
@@ -181,12 +181,12 @@ def test_hand_registered_residual_scale_is_verified():
     model = architectures.build("granite")
     names = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",
                  ffn_norm="post_attention_layernorm", mlp="mlp")
-    registry.register_architecture(model_type="granite", residual_scale="residual_multiplier", **names)
+    discovery.register_architecture(model_type="granite", residual_scale="residual_multiplier", **names)
     try:
         ht.patch(model, ht.TangentConfig(update="projected"))
         assert ht.get_config(model) is not None
         ht.unpatch(model)
-        registry.register_architecture(model_type="granite", overwrite=True, **names)
+        discovery.register_architecture(model_type="granite", overwrite=True, **names)
         discovery._VERIFIED.clear()
         with pytest.raises(ValueError, match=r"did not verify: in layer 0, out != r \+ s \* ffn_out.*\(s = 1\)"):
             ht.patch(model, ht.TangentConfig(update="projected"))

@@ -3,9 +3,11 @@ reads are strict, and the base a patch loads onto is the base it was made for.
 
 Every refusal is checked by message and by the destination being byte-identical afterwards."""
 
+import copy
 import json
 import os
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -772,3 +774,100 @@ def test_remote_code_refuses_a_patched_folder_whose_weights_lack_a_gate(tmp_path
     with pytest.raises(ValueError, match=re.escape("hold a mis-shaped 1 parameter(s) of its patch "
                                                    "(model.layers.1.tangent_patch.gate)")):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, ignore_mismatched_sizes=True)
+
+
+def test_remote_code_refuses_a_config_that_would_save_as_the_base(tmp_path):
+    """The folder's model class built (without hf_tangent) from the base's own config class carrying the record: it
+    would save as the unpatched base. It is refused when it is built, naming the config class (a review found a bare
+    "'NoneType' object is not callable" there once the class that saves the patched format left the shipped core)."""
+    import subprocess
+    import sys
+
+    from conftest import make_tiny
+
+    folder = tmp_path / "patched"
+    ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected")).save_pretrained(folder)
+    script = textwrap.dedent(f"""
+        import sys; sys.modules["hf_tangent"] = None
+        from transformers import AutoConfig, LlamaConfig
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+        patched = AutoConfig.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        cls = get_class_from_dynamic_module("modeling_hf_tangent.HfTangentLlamaForCausalLM", {str(folder)!r})
+        cls(patched)  # the folder's own config class: built
+        config = LlamaConfig(**{{k: v for k, v in patched.to_dict().items()
+                                if k not in ("model_type", "architectures", "auto_map", "hf_tangent")}})
+        config.hf_tangent = patched.hf_tangent
+        cls(config)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert ("a folder's remote code patches a model of the folder's own config class (its AutoConfig), which saves the "
+            "patched format; this LlamaConfig would save as the unpatched base") in result.stderr, result.stderr[-2000:]
+
+
+def test_a_patched_models_config_pickles_where_0_4_0_pickled_it(tmp_path):
+    """A patched model's config pickles by naming hf_tangent.core.install._rebuild_saving_config, as 0.4.0's did
+    (torch.save(model) files): it loads back as the class that saves the patched format, in a fresh process too."""
+    import pickle
+    import subprocess
+    import sys
+
+    from conftest import make_tiny
+
+    model = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    data = pickle.dumps(model.config, protocol=2)
+    assert b"chf_tangent.core.install\n_rebuild_saving_config\n" in data  # protocol 2's GLOBAL: module, name
+    (tmp_path / "config.pkl").write_bytes(data)
+    script = textwrap.dedent(f"""
+        import pickle, tempfile, json
+        config = pickle.load(open({str(tmp_path / "config.pkl")!r}, "rb"))
+        folder = tempfile.mkdtemp()
+        config.save_pretrained(folder)
+        print(type(config).__module__, config.hf_tangent["config"]["update"],
+              json.load(open(folder + "/config.json"))["model_type"])
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-3:] == ["transformers.models.llama.configuration_llama", "projected", "hf_tangent_llama"]
+
+
+def test_a_patched_folders_config_builds_patched_models_every_time(tmp_path):
+    """AutoModelForCausalLM.from_config(config) of a patched folder's config, twice: the first build took the record
+    off the caller's config object (the patch moved it to the model's own copy), so the second model was built
+    unpatched, silently. Each build now leaves the caller's config as it was: with hf_tangent and without it."""
+    import subprocess
+    import sys
+
+    from conftest import VOCAB, make_tiny
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = ht.patch(make_tiny("llama"), ht.TangentConfig(update="retract", p=2.0))
+    folder = tmp_path / "patched"
+    source.save_pretrained(folder)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    record = copy.deepcopy(config.hf_tangent)
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True).eval()
+        assert ht.get_config(model).update == "retract" and config.hf_tangent == record
+        torch.manual_seed(0)
+        unpatched = AutoModelForCausalLM.from_config(config, trust_remote_code=True).eval()
+        ht.unpatch(unpatched)
+        with torch.no_grad():  # the same random weights: the patch changes the logits
+            assert not torch.equal(model(ids).logits, unpatched(ids).logits)
+    script = textwrap.dedent(f"""
+        import sys; sys.modules["hf_tangent"] = None
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        models = [AutoModelForCausalLM.from_config(config, trust_remote_code=True) for _ in range(2)]
+        print([sum(1 for name, _ in m.named_modules() if name.endswith("tangent_patch")) for m in models],
+              hasattr(config, "hf_tangent"))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    layers = source.config.num_hidden_layers
+    assert result.stdout.split("\n")[-2] == f"[{layers}, {layers}] True", result.stdout[-500:]

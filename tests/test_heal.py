@@ -117,6 +117,10 @@ def test_per_layer_lambda_equals_patching_only_the_layers_at_one(ids):
         with pytest.raises(ValueError, match=r"; accepted: layer index -> number in \[0, 1\], each layer once\."):
             ht.set_homotopy(staged, mapping)
     assert ht.get_homotopy(staged) == {0: 0.0, 1: 1.0, 2: 0.0}  # a refused call changes nothing
+    # numpy's integers are layer indices (np.int64 keys were refused), kept as int in the record
+    ht.set_homotopy(staged, {np.int64(0): 0.0, np.int32(1): 1.0, 2: 0.0})
+    assert staged.config.hf_tangent["homotopy"]["lambda"] == {"0": 0.0, "1": 1.0, "2": 0.0}
+    assert torch.equal(logits(staged, ids), logits(alone, ids))
 
 
 def test_resume_mid_progressive_homotopy(tmp_path):

@@ -287,6 +287,38 @@ def test_failed_repatch_keeps_the_previous_patch(ids):
     assert ht.get_config(model) == ht.TangentConfig(update="projected")
 
 
+def test_a_model_sharing_a_patched_models_config_leaves_it_alone(ids, monkeypatch, tmp_path):
+    """B built from A's config object (transformers shares it): B's patch is B's own. Before, patching B took the record
+    and the class that saves the patched format off A's config; and a patch of B that failed wrapped that class
+    twice, so that A, once unpatched, still saved in the patched format (and was refused, having no record), and B
+    kept a staged save_pretrained it did not have before."""
+    import copy
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    a = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    config, kind, record = a.config, type(a.config), copy.deepcopy(a.config.hf_tangent)
+    b = AutoModelForCausalLM.from_config(config)
+    assert b.config is config and ht.get_config(b) is None
+
+    def boom(self, layer):
+        raise RuntimeError("boom")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ht.TangentLayer, "install", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            ht.patch(b, ht.TangentConfig(update="zero"))
+    assert b.config is config and type(config) is kind and config.hf_tangent == record and "save_pretrained" not in vars(b)
+    ht.patch(b, ht.TangentConfig(update="zero"))
+    assert b.config is not config and type(a.config) is kind and a.config.hf_tangent == record
+    assert ht.get_config(b).update == "zero" and ht.get_config(a).update == "projected"
+    ht.unpatch(b)
+    ht.unpatch(a)
+    a.save_pretrained(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == "llama"
+
+
 def test_wrapped_models_are_refused(ids):
     from peft import LoraConfig, get_peft_model
 

@@ -24,9 +24,10 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from ..core import install
 from ..core.destinations import REMOTE_GENERATED_FILES, SHIPPED_CORE_MODULES, check_destination, replacing
 from ..core.gather import full_state_dict
-from ..core.install import CONFIG_KEY, register_patched_format
+from ..core.install import CONFIG_KEY
 from ..core.patching import get_config
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
 from ..core.wrappers import model_class, unwrap
@@ -131,7 +132,7 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
     if not base_class:
         raise ValueError(f"hf_tangent: {config_file} names no model class (architectures); save the model, not its "
                          "config alone.")
-    base_config = type(config).__mro__[1].__name__ if hasattr(type(config), "_hf_tangent_saves_patched") \
+    base_config = type(config).__mro__[1].__name__ if hasattr(type(config), install._SAVES_PATCHED) \
         else type(config).__name__
     names = patched_names(base_model_type(config), base_class, base_config)
     _copy_core(folder)
@@ -148,7 +149,36 @@ def write_patched_format(folder: str | os.PathLike, config) -> None:
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-register_patched_format(write_patched_format)  # what a patched model's save_pretrained writes
+_SAVING_CLASSES: dict[type, type] = {}  # config class -> its subclass below (immutable once made)
+
+
+def saving_config_class(base: type) -> type:
+    """The class of a patched model's (private) config: the model's own config class, except that
+    `save_pretrained` writes the patched folder format (`write_patched_format`), so that `model.save_pretrained`,
+    `push_to_hub` and Trainer checkpoints of a patched model never write a folder that loads as its unpatched
+    base. Same name as the base class (transformers' auto classes look configs up by name); `to_dict` is
+    unchanged, so PEFT and generation read the base model_type. Unpatching restores the base class. (A saved
+    folder's remote code never needs it: its own config class saves the patched format already.)"""
+    cls = _SAVING_CLASSES.get(base)
+    if cls is None:
+        cls = _SAVING_CLASSES[base] = type(base.__name__, (base,), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__, install._SAVES_PATCHED: True,
+            "save_pretrained": _save_patched_config, "__reduce_ex__": _reduce_saving_config})
+    return cls
+
+
+def _save_patched_config(self, save_directory, push_to_hub: bool = False, **kwargs):
+    if push_to_hub:  # push_to_hub saves into a folder of its own, through this method, then uploads
+        return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory))), **kwargs)
+    type(self).__mro__[1].save_pretrained(self, save_directory, **kwargs)
+    write_patched_format(save_directory, self)
+
+
+def _reduce_saving_config(self, protocol):
+    return install._rebuild_saving_config, (type(self).__mro__[1], dict(vars(self)))
+
+
+install.register_package(saving_config_class=saving_config_class)  # what a patched model's config saves
 
 
 def is_hub_id(name) -> bool:

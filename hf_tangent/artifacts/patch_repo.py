@@ -30,7 +30,15 @@ from safetensors import SafetensorError
 from ..core import destinations
 from ..core._version import __version__
 from ..core.config import TangentConfig
-from ..core.destinations import ADAPTER_PEFT_TYPE, ADAPTER_RECORD_FILE, PATCH_RECORD_FILE, check_destination, replacing
+from ..core.destinations import (
+    ADAPTER_PEFT_TYPE,
+    ADAPTER_RECORD_FILE,
+    ADAPTER_WEIGHTS,
+    GATES_FILE,
+    PATCH_RECORD_FILE,
+    check_destination,
+    replacing,
+)
 from ..core.discovery import decoder_layers
 from ..core.gather import sharding_engine
 from ..core.install import CONFIG_KEY, PATCHED_BASE_NAME
@@ -43,8 +51,6 @@ from .hub import is_hub_id, save_hub_folder, upload
 from .offline import hub_error, unreachable
 from .serialization import _check_record, holds_record, resolve_file, transformers_class
 
-GATES_FILE = "gates.safetensors"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _GATE_KEY = re.compile(r"base_model\.model\.(?P<layers>.+)\.(?P<index>\d+)\.tangent_patch\.peft\.hf_tangent_gate")
 ADAPTER_FOLDER = "adapter"
 CARD_FILE = "README.md"

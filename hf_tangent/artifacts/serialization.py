@@ -27,7 +27,7 @@ from ..core.gather import full_state_dict
 from ..core.install import CHILD_NAME, CONFIG_KEY, HOMOTOPY_OPTIONS
 from ..core.patching import get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import PATCHED_TYPE_PREFIX, ArchitectureSpec, base_model_type
-from ..core.wrappers import model_class, unwrap
+from ..core.wrappers import unwrap
 
 _GATE_KEY = re.compile(rf"(?:^|\.)(\d+)\.{CHILD_NAME}\.gate$")
 _RECORD_FIELDS = {"config": dict, "model_type": str, "num_layers": int, "patched_layers": list, "parallel_layers": list}
@@ -305,15 +305,8 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
     save = base.save_pretrained  # a patched model's own: staged, never destroys; a model patched by a folder's
     if get_config(base) is not None and not isinstance(save, AtomicSave):  # copy of the core: transformers' own
         save = AtomicSave(base)
-    save(folder, state_dict=state, **kwargs)
-    config_file = folder / "config.json"
-    data = json.loads(config_file.read_text(encoding="utf-8"))
-    if (data.get("architectures") or [""])[0].startswith("FSDP"):  # FSDP2 subclasses the model class in place
-        data["architectures"] = [model_class(model).__name__]  # ("FSDPLlamaForCausalLM"; transformers 4.x keeps it)
-        written = config_file.with_name(f".config.json.hf_tangent-tmp-{os.getpid()}")
-        written.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(written, config_file)  # one rename: a kill leaves the old config.json or the new one
-    return folder
+    save(folder, state_dict=state, **kwargs)  # config.json names the class without FSDP2's in-place "FSDP" prefix
+    return folder  # (transformers >= 4.57 strips it; a patched folder names its recorded base class)
 
 
 def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):

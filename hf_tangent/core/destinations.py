@@ -69,10 +69,13 @@ import threading
 import warnings
 from pathlib import Path
 
+from .registry import CONFIG_KEY
+
 PATCH_RECORD_FILE = "hf_tangent_patch.json"  # the record of a patch repo of formats 1-2 (artifacts/patch_repo.py)
 ADAPTER_RECORD_FILE = "adapter_config.json"  # format 3's: a PEFT adapter folder, peft_type ADAPTER_PEFT_TYPE
 ADAPTER_PEFT_TYPE = "HF_TANGENT"
-RECORD_KEY = "hf_tangent"  # the record of a complete patched folder, in config.json (patching.CONFIG_KEY)
+GATES_FILE = "gates.safetensors"  # a patch repo's gates (formats 1-2)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # format 3's gates (and a LoRA subfolder's weights)
 # What a patched folder carries as remote code: the core modules a patched forward needs (it patches from the saved
 # spec: no discovery, no write safety, no Triton kernel) and the two files hub.py generates.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
@@ -84,11 +87,11 @@ _EARLIER_REMOTE_CODE = ("destinations.py", "discovery.py", "fused_parallel.py", 
 logger = logging.getLogger("hf_tangent")
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.
-_ARTIFACT_FILES = {PATCH_RECORD_FILE, "gates.safetensors", ADAPTER_RECORD_FILE, "adapter_model.safetensors",
+_ARTIFACT_FILES = {PATCH_RECORD_FILE, GATES_FILE, ADAPTER_RECORD_FILE, ADAPTER_WEIGHTS,
                    "config.json", "generation_config.json",
                    "model.safetensors", "model.safetensors.index.json", ".gitattributes", *REMOTE_CODE_MODULES,
                    *_EARLIER_REMOTE_CODE}
-_ARTIFACT_FOLDERS = {"adapter": {"adapter_config.json", "adapter_model.safetensors", "README.md"},
+_ARTIFACT_FOLDERS = {"adapter": {ADAPTER_RECORD_FILE, ADAPTER_WEIGHTS, "README.md"},
                      "__pycache__": None}  # None: any *.pyc
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 # What other writers put beside a model by convention (tokenizer.save_pretrained, a model card, the
@@ -124,7 +127,7 @@ def artifact_kind(folder: str | os.PathLike) -> str | None:
     try:
         with open(folder / "config.json", encoding="utf-8") as f:
             data = json.load(f)
-        patched = isinstance(data, dict) and isinstance(data.get(RECORD_KEY), dict)
+        patched = isinstance(data, dict) and isinstance(data.get(CONFIG_KEY), dict)
     except (OSError, ValueError):
         patched = False
     if patched:

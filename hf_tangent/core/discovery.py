@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .patching import disabled, require_model
-from .registry import CONFIG_KEY, ArchitectureSpec, base_model_type, get_registered, remember_discovered
+from .registry import _DISCOVERED, _REGISTRY, CONFIG_KEY, ArchitectureSpec, base_model_type, get_registered
 
 _VERIFIED: dict = {}  # (model class, spec, config) -> Verification
 _PROBE_TOKENS = 8
@@ -439,7 +439,8 @@ def discover(model) -> ArchitectureSpec:
     if fields["attention_out"] == fields["attention"]:
         fields["attention_out"] = None
     spec = ArchitectureSpec(model_type=model_type, layers=layers_path, source="discovered", **fields)
-    return remember_discovered(model, spec)
+    _DISCOVERED[type(model)] = spec
+    return spec
 
 
 def resolve_spec(model) -> ArchitectureSpec:
@@ -479,3 +480,38 @@ def describe(model) -> str:
         attn = "attention verified" if v.attention[i] else "attention not verified"
         lines.append(f"  layer {i} ({type(layer).__name__}, {form}): FFN update {status}{extra}; {attn}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the registry's public side
+# (package only: a saved folder's remote code reads the registry's entries and its record's spec, registry.py)
+def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bool = False, **fields) -> ArchitectureSpec:
+    """Register an architecture, as a spec or as its fields: `register_architecture(model_type=..., ...)`."""
+    if spec is not None and not isinstance(spec, ArchitectureSpec):
+        raise TypeError(f"hf_tangent.register_architecture expects an ArchitectureSpec or its fields, got "
+                        f"{type(spec).__name__}.")
+    if spec is None:
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ArchitectureSpec)})
+        if unknown:
+            raise ValueError(f"hf_tangent.register_architecture: unknown fields {unknown}; accepted: "
+                             f"{', '.join(f.name for f in dataclasses.fields(ArchitectureSpec))}.")
+        spec = ArchitectureSpec(**fields)
+    if spec.model_type in _REGISTRY and not overwrite:
+        raise ValueError(f"hf_tangent: model_type '{spec.model_type}' is already registered; pass overwrite=True.")
+    _REGISTRY[spec.model_type] = spec
+    return spec
+
+
+def supported_model_types() -> list[str]:
+    """The `model_type`s with a registry entry (built in or added with `register_architecture`), sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_spec(model_type: str) -> ArchitectureSpec:
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        raise ValueError(
+            f"hf_tangent: model_type '{model_type}' is not supported; supported: "
+            f"{', '.join(supported_model_types())}, and any model_type whose spec hf_tangent.patch discovers and "
+            "verifies. Add one with hf_tangent.register_architecture(...)."
+        ) from None

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import sys
 import warnings
 from typing import Literal
 
 from torch import nn
 
-from .checks import Range, choice, number
+from .checks import Range, choice, index, number
 from .config import TangentConfig
 from .layer import TangentLayer
 from .registry import (
@@ -50,11 +49,14 @@ _DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: p
 # What the installed package adds (hf_tangent/core/__init__.py registers it). A saved folder's remote code ships
 # neither discovery.py nor destinations.py: it patches from the spec its record saved (verified when it was
 # saved), and its model saves the way transformers saves.
-_PACKAGE = {"resolve_spec": None, "require_verified": None, "atomic_save": None}
+_PACKAGE = {"resolve_spec": None, "require_verified": None, "atomic_save": None, "saving_config_class": None}
 
 
-def register_package(*, resolve_spec, require_verified, atomic_save) -> None:
-    _PACKAGE.update(resolve_spec=resolve_spec, require_verified=require_verified, atomic_save=atomic_save)
+def register_package(**package) -> None:
+    for name, value in package.items():
+        if name not in _PACKAGE:
+            raise TypeError(f"hf_tangent: register_package has no {name!r}; accepted: {', '.join(_PACKAGE)}.")
+        _PACKAGE[name] = value
 
 
 def _resolve_spec(model) -> ArchitectureSpec:
@@ -153,7 +155,11 @@ class _PatchState:
 
 
 def _snapshot(model) -> _PatchState:
-    return _PatchState(_patched_layers(model), vars(model).get(_MODEL_ATTR), getattr(model.config, CONFIG_KEY, None))
+    """The model's patch; a record on an unpatched model's config is not its own (a patched folder's config before
+    the patch is applied, a config shared with a patched model): no state of this model, left alone."""
+    ours = _MODEL_ATTR in vars(model)
+    return _PatchState(_patched_layers(model), vars(model).get(_MODEL_ATTR),
+                       getattr(model.config, CONFIG_KEY, None) if ours else None)
 
 
 def _remove(model, state: _PatchState) -> None:
@@ -163,9 +169,9 @@ def _remove(model, state: _PatchState) -> None:
         if layer._modules.get(CHILD_NAME) is child:
             del layer._modules[CHILD_NAME]
     vars(model).pop(_MODEL_ATTR, None)
-    if hasattr(model.config, CONFIG_KEY):
+    if state.record is not None and hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
-    if getattr(type(model.config), _SAVES_PATCHED, False):
+    if state.record is not None and getattr(type(model.config), _SAVES_PATCHED, False):
         model.config.__class__ = type(model.config).__mro__[1]
     if _PACKAGE["atomic_save"] is not None and isinstance(vars(model).get("save_pretrained"), _PACKAGE["atomic_save"]):
         del vars(model)["save_pretrained"]
@@ -184,8 +190,9 @@ def _apply(model, state: _PatchState) -> None:
         vars(model)[_MODEL_ATTR] = state.config
     if state.record is not None:
         setattr(model.config, CONFIG_KEY, state.record)
-        if not hasattr(type(model.config), BASE_TYPE_ATTR):  # a saved folder's own config class saves right already
-            model.config.__class__ = _saving_config_class(type(model.config))
+        if not hasattr(type(model.config), BASE_TYPE_ATTR) and not hasattr(type(model.config), _SAVES_PATCHED):
+            # (a saved folder's own config class saves right already; a saving class is not wrapped again)
+            model.config.__class__ = _PACKAGE["saving_config_class"](type(model.config))
         if _PACKAGE["atomic_save"] is not None:
             vars(model)["save_pretrained"] = _PACKAGE["atomic_save"](model)  # writes never destroy (destinations.py)
     if state.config is not None:
@@ -231,53 +238,12 @@ def _unmark(model) -> None:
 
 
 # ----------------------------------------------------------------------------- what a save writes
-_SAVES_PATCHED = "_hf_tangent_saves_patched"
-_SAVING_CLASSES: dict[type, type] = {}  # config class -> its subclass below (immutable once made)
-
-
-def _saving_config_class(base: type) -> type:
-    """The class of a patched model's (private) config: the model's own config class, except that
-    `save_pretrained` writes the patched folder format (hub.write_patched_format: a model_type and
-    architecture of its own, remote code), so that `model.save_pretrained`, `push_to_hub` and Trainer
-    checkpoints of a patched model never write a folder that loads as its unpatched base. Same name
-    as the base class (transformers' auto classes look configs up by name); `to_dict` is unchanged,
-    so PEFT and generation read the base model_type. Unpatching restores the base class."""
-    cls = _SAVING_CLASSES.get(base)
-    if cls is None:
-        cls = _SAVING_CLASSES[base] = type(base.__name__, (base,), {
-            "__module__": base.__module__, "__qualname__": base.__qualname__, _SAVES_PATCHED: True,
-            "save_pretrained": _save_patched_config, "__reduce_ex__": _reduce_saving_config})
-    return cls
-
-
-# What turns a saved config.json into the patched folder format: hub.write_patched_format, registered by
-# hub.py when it is imported (hf_tangent's __init__ imports it; the remote code never needs it: its config
-# class saves right already). Unregistered, a save refuses rather than writing a folder that loads as its base.
-_PATCHED_FORMAT_WRITER: list = []
-
-
-def register_patched_format(writer) -> None:
-    """`writer(folder, config)`: rewrite the config.json a patched model's config just wrote (hub.py)."""
-    _PATCHED_FORMAT_WRITER[:] = [writer]
-
-
-def _save_patched_config(self, save_directory, push_to_hub: bool = False, **kwargs):
-    if not _PATCHED_FORMAT_WRITER:
-        raise RuntimeError("hf_tangent: the patched folder format is not registered (import hf_tangent, which "
-                           "registers it) — a plain save would load as the unpatched base.")
-    write_patched_format = _PATCHED_FORMAT_WRITER[0]
-    if push_to_hub:  # push_to_hub saves into a folder of its own, through this method, then uploads
-        return self.push_to_hub(kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory))), **kwargs)
-    type(self).__mro__[1].save_pretrained(self, save_directory, **kwargs)
-    write_patched_format(save_directory, self)
-
-
-def _reduce_saving_config(self, protocol):
-    return _rebuild_saving_config, (type(self).__mro__[1], dict(vars(self)))
+_SAVES_PATCHED = "_hf_tangent_saves_patched"  # set on the config class artifacts/hub.py's saving_config_class makes
 
 
 def _rebuild_saving_config(base: type, state: dict):
-    config = object.__new__(_saving_config_class(base))
+    """A patched model's config from a pickle (the saving class's __reduce_ex__; here since 0.4.0 pickles name it)."""
+    config = object.__new__(_PACKAGE["saving_config_class"](base))
     vars(config).update(state)
     return config
 
@@ -332,6 +298,11 @@ def _patch(model, config: TangentConfig, *, verify: bool):
         config = TangentConfig.from_dict(config.to_dict(), strict=True)  # another copy's class (remote code)
     config = config.frozen_copy()  # validated again: fields set after construction are checked too
     spec, layers = _check_model(model)
+    if _PACKAGE["saving_config_class"] is None and not hasattr(type(model.config), BASE_TYPE_ATTR):
+        raise ValueError(f"hf_tangent: a folder's remote code patches a model of the folder's own config class (its "
+                         f"AutoConfig), which saves the patched format; this {type(model.config).__name__} would save "
+                         "as the unpatched base. Build the config with AutoConfig.from_pretrained(folder), or install "
+                         "hf_tangent.")
     num_layers = len(layers)
     updated = set(config.resolve_layers(num_layers))
     parallel = set(config.resolve_parallel_layers(num_layers))
@@ -358,9 +329,9 @@ def _patch(model, config: TangentConfig, *, verify: bool):
 def _commit(model, new: _PatchState) -> None:
     previous = _snapshot(model)
     replaced = []
-    try:
-        _remove(model, previous)
+    try:  # the model's own config first: a config object the caller holds keeps its record (from_config twice)
         replaced = _own_config(model)
+        _remove(model, previous)
         _apply(model, new)
     except BaseException:
         _remove(model, _snapshot(model))
@@ -416,11 +387,11 @@ def _homotopy_values(value, layers: list[int]) -> dict[int, float]:
         return {i: float(value) for i in layers}
     parsed = {}
     for key, v in value.items():
-        index = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key  # JSON's "3", not "٣"
-        if isinstance(index, bool) or not isinstance(index, int) or int(index) in parsed:
+        layer = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else index(key)  # JSON's "3"
+        if layer is None or layer in parsed:  # (not "٣"); an int, numpy's int64 too
             raise ValueError(f"hf_tangent.set_homotopy: entry {key!r}: {v!r}; accepted: layer index -> number in [0, 1], "
                              "each layer once.")
-        parsed[int(index)] = float(number(f"lambda[{key!r}]", v, _UNIT))
+        parsed[layer] = float(number(f"lambda[{key!r}]", v, _UNIT))
     if set(parsed) != set(layers):
         raise ValueError(f"hf_tangent.set_homotopy: the mapping gives layers {sorted(parsed)}; accepted: exactly the "
                          f"patched layers {layers}.")

@@ -1,7 +1,7 @@
 """Architecture registry: where a decoder's layers and their submodules live, keyed by `model_type`.
 
-Supporting one more architecture is one `register_architecture(...)` call (see the entries at
-the bottom); a `model_type` without an entry is discovered from its module tree (discovery.py).
+Supporting one more architecture is one `register_architecture(...)` call (discovery.py; the built-in
+entries are at the bottom); a `model_type` without an entry is discovered from its module tree (discovery.py).
 Every spec, registered or discovered, is verified numerically on the model before it is patched.
 Paths are attribute paths, dotted, relative to the model (layers) or a layer; "a|b" means the
 first of them that the layer has, "ClassA=a|ClassB=b" the one for the layer's class (hybrids whose
@@ -180,42 +180,9 @@ def base_model_type(config) -> str:
     return getattr(type(config), BASE_TYPE_ATTR, None) or config.model_type
 
 
-_REGISTRY: dict[str, ArchitectureSpec] = {}
+_REGISTRY: dict[str, ArchitectureSpec] = {}  # model_type -> spec: the entries below, and discovery.register_architecture's
 _DISCOVERED: dict[type, ArchitectureSpec] = {}  # model class -> spec found by discovery.py
 CONFIG_KEY = "hf_tangent"  # the patch record in model.config / config.json
-
-
-def register_architecture(spec: ArchitectureSpec | None = None, *, overwrite: bool = False, **fields) -> ArchitectureSpec:
-    """Register an architecture, as a spec or as its fields: `register_architecture(model_type=..., ...)`."""
-    if spec is not None and not isinstance(spec, ArchitectureSpec):
-        raise TypeError(f"hf_tangent.register_architecture expects an ArchitectureSpec or its fields, got "
-                        f"{type(spec).__name__}.")
-    if spec is None:
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ArchitectureSpec)})
-        if unknown:
-            raise ValueError(f"hf_tangent.register_architecture: unknown fields {unknown}; accepted: "
-                             f"{', '.join(f.name for f in dataclasses.fields(ArchitectureSpec))}.")
-        spec = ArchitectureSpec(**fields)
-    if spec.model_type in _REGISTRY and not overwrite:
-        raise ValueError(f"hf_tangent: model_type '{spec.model_type}' is already registered; pass overwrite=True.")
-    _REGISTRY[spec.model_type] = spec
-    return spec
-
-
-def supported_model_types() -> list[str]:
-    """The `model_type`s with a registry entry (built in or added with `register_architecture`), sorted."""
-    return sorted(_REGISTRY)
-
-
-def get_spec(model_type: str) -> ArchitectureSpec:
-    try:
-        return _REGISTRY[model_type]
-    except KeyError:
-        raise ValueError(
-            f"hf_tangent: model_type '{model_type}' is not supported; supported: "
-            f"{', '.join(supported_model_types())}, and any model_type whose spec hf_tangent.patch discovers and "
-            "verifies. Add one with hf_tangent.register_architecture(...)."
-        ) from None
 
 
 def get_registered(model) -> ArchitectureSpec | None:
@@ -233,28 +200,23 @@ def get_registered(model) -> ArchitectureSpec | None:
     return None
 
 
-def remember_discovered(model, spec: ArchitectureSpec) -> ArchitectureSpec:
-    _DISCOVERED[type(model)] = spec
-    return spec
-
-
 _LLAMA_LIKE = dict(layers="model.layers", input_norm="input_layernorm", attention="self_attn",
                    ffn_norm="post_attention_layernorm", mlp="mlp",
                    fused_attention_in=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                    fused_ffn_in=("mlp.gate_proj", "mlp.up_proj"))
 
-register_architecture(model_type="gpt2", layers="transformer.h", input_norm="ln_1", attention="attn",
-                      ffn_norm="ln_2", mlp="mlp")
-# GPT-NeoX adds post_mlp_dropout(mlp(...)) and post_attention_dropout(attention(...)) to the residual;
-# use_parallel_residual is read per layer.
-register_architecture(model_type="gpt_neox", layers="gpt_neox.layers", input_norm="input_layernorm",
-                      attention="attention", ffn_norm="post_attention_layernorm", mlp="mlp",
-                      ffn_out="post_mlp_dropout", attention_out="post_attention_dropout",
-                      parallel_attr="use_parallel_residual")
-register_architecture(model_type="llama", **_LLAMA_LIKE)
-register_architecture(model_type="mistral", **_LLAMA_LIKE)
-register_architecture(model_type="qwen2", **_LLAMA_LIKE)
-# Gemma 2 normalises the attention and MLP outputs before the residual adds: those norms' outputs are added.
-register_architecture(model_type="gemma2", layers="model.layers", input_norm="input_layernorm",
-                      attention="self_attn", ffn_norm="pre_feedforward_layernorm", mlp="mlp",
-                      ffn_out="post_feedforward_layernorm", attention_out="post_attention_layernorm")
+_REGISTRY.update((spec.model_type, spec) for spec in (
+    ArchitectureSpec(model_type="gpt2", layers="transformer.h", input_norm="ln_1", attention="attn", ffn_norm="ln_2",
+                     mlp="mlp"),
+    # GPT-NeoX adds post_mlp_dropout(mlp(...)) and post_attention_dropout(attention(...)) to the residual;
+    # use_parallel_residual is read per layer.
+    ArchitectureSpec(model_type="gpt_neox", layers="gpt_neox.layers", input_norm="input_layernorm",
+                     attention="attention", ffn_norm="post_attention_layernorm", mlp="mlp",
+                     ffn_out="post_mlp_dropout", attention_out="post_attention_dropout",
+                     parallel_attr="use_parallel_residual"),
+    *(ArchitectureSpec(model_type=model_type, **_LLAMA_LIKE) for model_type in ("llama", "mistral", "qwen2")),
+    # Gemma 2 normalises the attention and MLP outputs before the residual adds: those norms' outputs are added.
+    ArchitectureSpec(model_type="gemma2", layers="model.layers", input_norm="input_layernorm", attention="self_attn",
+                     ffn_norm="pre_feedforward_layernorm", mlp="mlp", ffn_out="post_feedforward_layernorm",
+                     attention_out="post_attention_layernorm"),
+))

@@ -227,7 +227,7 @@ def patch_cases():
     import architectures
 
     def misregistered():  # gemma3 with a Llama spec: the update would land on the attention output's norm
-        ht.register_architecture(dataclasses.replace(ht.core.registry.get_spec("llama"), model_type="gemma3_text"))
+        ht.register_architecture(dataclasses.replace(ht.core.discovery.get_spec("llama"), model_type="gemma3_text"))
         try:
             ht.patch(architectures.build("gemma3_text"), ht.TangentConfig(update="projected"))
         finally:

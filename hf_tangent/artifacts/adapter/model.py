@@ -109,7 +109,7 @@ class TangentModel(BaseTuner):
                              "hf_tangent.from_pretrained(folder).")
         saved = config.patch is not None  # an adapter read back (its record is checked), else a new one
         if saved:
-            patch_repo.check_base_fields(config.base, "adapter_config.json")
+            patch_repo.check_base_fields(config.base, patch_repo.ADAPTER_RECORD_FILE)
             patch_repo.check_base({"base": config.base}, model, name=_name_of(model), path="the adapter")
         else:
             config.base = patch_repo.base_record(model, _name_of(model), config.revision)
