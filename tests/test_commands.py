@@ -47,6 +47,36 @@ def test_each_command_owns_exactly_its_options():
     assert "deepspeed" not in options["eval"] and "updates" not in options["ablate"]
 
 
+def _recipe_functions():  # each command and the function it runs, named here independently of the commands
+    import importlib
+
+    named = {"eval": "evaluate.evaluate_rules", "calibrate": "calibrate.calibrate_gates", "finetune": "finetune.finetune",
+             "heal": "heal.heal", "diagnose": "analysis.diagnose_layers", "ablate": "analysis.ablate",
+             "sensitivity": "analysis.layer_sensitivity", "parallel-sweep": "analysis.parallel_sweep",
+             "critical": "geometry.critical", "pressure": "geometry.pressure", "ffn-jacobian": "geometry.ffn_jacobian",
+             "lm-eval": "downstream.lm_eval"}
+    return {command: getattr(importlib.import_module(f"hf_tangent.experiments.{path.split('.')[0]}"), path.split(".")[1])
+            for command, path in named.items()}
+
+
+@pytest.mark.parametrize("command", list(_recipe_functions()))
+def test_a_command_without_options_runs_its_function_at_the_function_defaults(command):
+    """One declaration of a default: `hf-tangent COMMAND` with no option runs what the Python function does called
+    with no argument (critical, pressure and ffn-jacobian read 8 windows of 512 tokens from the command line and 2 or
+    4 of 256 from Python, heal 512-token windows against 256). None or () is the option's own (the device: None)."""
+    import inspect
+
+    _, parsers = cli.build_parser()
+    parsed = vars(parsers[command].parse_args([]))
+    compared = []
+    for name, parameter in inspect.signature(_recipe_functions()[command]).parameters.items():
+        if name in parsed and parameter.default not in (None, (), inspect.Parameter.empty):
+            default = list(parameter.default) if isinstance(parameter.default, tuple) else parameter.default
+            assert parsed[name] == default, (command, name, parsed[name], default)
+            compared.append(name)
+    assert "dtype" in compared and ("seq_len" in compared or command == "lm-eval"), compared
+
+
 @pytest.mark.parametrize("argv, command, message", [
     (["eval", "--device", "cuda"], "eval", "CUDA is not available here"),
     (["eval", "--device", "gpu0"], "eval", "is not a device"),

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..analysis.ablation import VARIANTS
-from ..experiments.analysis import ABLATE_RANGES
+from ..experiments.analysis import ABLATE_RANGES, ablate
 from ..ranges import Range
-from .arguments import Checked, experiment_command, run_experiment
+from .arguments import Checked, experiment_command
 
 
 @dataclass
@@ -25,10 +25,4 @@ class AblateArguments(Checked):
 def ablate_command_parser(subparsers):
     return experiment_command(subparsers, "ablate", AblateArguments,
                               "loss increase of zero-FFN, radial-only, tangential-only, attention-zero (paired bootstrap CI)",
-                              ablate_command)
-
-
-def ablate_command(args) -> int:
-    from ..experiments.analysis import ablate
-
-    return run_experiment(args, ablate)
+                              ablate)

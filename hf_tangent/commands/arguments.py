@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -149,10 +150,12 @@ def preflight(*groups, output_dir: str | None = None, device: str | None = None)
         check_output_dir(output_dir)
 
 
-def experiment_command(subparsers, name: str, options_class, help: str, func, docs: str | None = None):
-    """A command that runs one experiment on held-out text: the model, the text, the run and its own options."""
-    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, options_class), help, func,
-                       docs=docs)
+def experiment_command(subparsers, name: str, options_class, help: str, experiment, docs: str | None = None, **run):
+    """A command that runs one experiment (`experiment`, a recipe function, which gives the defaults: add_command)
+    on held-out text: the model, the text, the run and its own options; `run`: run_experiment's keywords."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, options_class), help,
+                       functools.partial(run_experiment, experiment=experiment, **run), docs=docs,
+                       recipe_function=experiment)
 
 
 def run_experiment(args, experiment, *, options=dataclasses.asdict, text=lambda text, own: text_source(text)) -> int:
@@ -170,10 +173,14 @@ def run_experiment(args, experiment, *, options=dataclasses.asdict, text=lambda 
     return 0
 
 
-def training_command(subparsers, name: str, options_class, training_class, help: str, func, docs: str | None = None):
-    """A command that trains: the model, the held-out and the training text, its own options, the Trainer's."""
+def training_command(subparsers, name: str, options_class, training_class, help: str, experiment, options,
+                     docs: str | None = None):
+    """A command that trains (`experiment`, a recipe function, which gives the defaults: add_command): the model,
+    the held-out and the training text, its own options (`options(own, training)`: run_training), the Trainer's."""
     return add_command(subparsers, name, (ModelArguments, EvalTextArguments, CalibrationTextArguments, options_class,
-                                          training_class), help, func, docs=docs)
+                                          training_class), help,
+                       functools.partial(run_training, experiment=experiment, options=options), docs=docs,
+                       recipe_function=experiment)
 
 
 def run_training(args, experiment, options) -> int:
@@ -392,7 +399,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
-def _arrange(sub, name: str, dataclass_types, func) -> None:
+def _arrange(sub, name: str, dataclass_types) -> None:
     """The help in the order a user reads it: the recipe, the model and the output first; then the command's own
     options, then the shared ones (text, dtype, device); the Trainer's (transformers.TrainingArguments) last,
     those hf_tangent gives its own default first. A --no_X option says what it turns off. The usage line names
@@ -403,7 +410,7 @@ def _arrange(sub, name: str, dataclass_types, func) -> None:
     trainer_fields = {f.name for k in trainer_kinds for f in dataclasses.fields(k)}
     ours = {name for k in trainer_kinds for c in k.__mro__ if issubclass(c, TrainingArguments) and c is not TrainingArguments
             for name in vars(c).get("__annotations__", {})}  # the fields hf_tangent declares again: its defaults, its help
-    own_fields = [f.name for k in dataclass_types if k not in trainer_kinds and k.__module__ == func.__module__
+    own_fields = [f.name for k in dataclass_types if k not in trainer_kinds and k.__module__ != __name__  # not shared
                   for f in dataclasses.fields(k)]
     for action in sub._actions:
         if isinstance(action, argparse._StoreFalseAction) and action.option_strings[0].startswith("--no"):
@@ -476,9 +483,23 @@ def _defaults_text(sub, command: str, recipes: list[tuple[str, dict]]) -> str:
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
 
 
-def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True, docs: str | None = None):
+def recipe_defaults(parser, function) -> dict:
+    """The defaults of `function`'s parameters that are options of `parser`, as the command line holds them (a
+    tuple as a list); None or an empty tuple leaves the option's own (None there too: `device` picks one,
+    `model_folders` is none)."""
+    dests = {action.dest for action in parser._actions}
+    return {name: list(p.default) if isinstance(p.default, tuple) else p.default
+            for name, p in inspect.signature(function).parameters.items()
+            if name in dests and p.default not in (None, (), p.empty)}
+
+
+def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe: bool = True, docs: str | None = None,
+                recipe_function=None):
     """A subcommand whose options are the fields of `dataclass_types` (plus --recipe); `docs`: its page under DOCS,
-    named in the description (an installed package has no docs/ folder)."""
+    named in the description (an installed package has no docs/ folder). Where the command runs a recipe function
+    (`recipe_function`: `critical`, `heal`, ...), that function's defaults are the command's: the shared options
+    (seq_len, max_windows, ...) are declared once for every command, and a command runs what the function does
+    when called with the same arguments."""
     sub = subparsers.add_parser(name, dataclass_types=dataclass_types, help=help, description=help,
                                 formatter_class=HelpFormatter,
                                 allow_abbrev=False)  # --seed must not silently mean --seeds
@@ -490,10 +511,12 @@ def add_command(subparsers, name: str, dataclass_types, help: str, func, recipe:
         option = options.get(action.dest)
         if option is not None and option.range is not None and action.type in (int, float):
             action.type = _Number(action.type, option.accepted, optional=matches(None, option.hint))
+    if recipe_function is not None:
+        sub.set_defaults(**recipe_defaults(sub, recipe_function))
     if recipe:
         sub.add_argument("--recipe", help="YAML recipe: a path, or the name of a shipped recipe; the command line wins")
     sub.set_defaults(func=in_run_folder(func), parser=sub)  # the recipe and its report: one run of --output_dir
-    _arrange(sub, name, dataclass_types, func)
+    _arrange(sub, name, dataclass_types)
     description = textwrap.fill(help, 100) + (f"\nDocs: {DOCS}{docs}" if docs else "")
     sub.description = description
     if sub.trainer_group is not None:

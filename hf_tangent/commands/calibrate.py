@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..analysis.evaluation import update_variants
+from ..experiments.calibrate import calibrate_gates
 from ..training.trainer import TangentTrainingArguments
-from .arguments import Checked, CommandError, run_training, training_command
+from .arguments import Checked, CommandError, training_command
 
 
 @dataclass
@@ -29,7 +30,7 @@ class CalibrateArguments(Checked):
 
 def calibrate_command_parser(subparsers):
     return training_command(subparsers, "calibrate", CalibrateArguments, TangentTrainingArguments,
-                            "train one scalar FFN gate per layer, all weights frozen", calibrate_command,
+                            "train one scalar FFN gate per layer, all weights frozen", calibrate_gates, _options,
                             docs="math.md#5-layerwise-ffn-gates")
 
 
@@ -44,14 +45,9 @@ def hub_target(training) -> str | None:
     return repo
 
 
-def calibrate_command(args) -> int:
-    from ..experiments.calibrate import calibrate_gates
-
-    def options(own, training):
-        repo = hub_target(training)
-        return dict(update=own.update, layers=own.layers, compare_rules=own.compare_updates, push_to_hub=repo,
-                    hub_private=bool(training.hub_private_repo),
-                    save_patch=f"{training.output_dir}/patch" if own.save_patch or repo else None,
-                    save_model=f"{training.output_dir}/model" if own.save_full_model else None)
-
-    return run_training(args, calibrate_gates, options)
+def _options(own, training) -> dict:
+    repo = hub_target(training)
+    return dict(update=own.update, layers=own.layers, compare_rules=own.compare_updates, push_to_hub=repo,
+                hub_private=bool(training.hub_private_repo),
+                save_patch=f"{training.output_dir}/patch" if own.save_patch or repo else None,
+                save_model=f"{training.output_dir}/model" if own.save_full_model else None)

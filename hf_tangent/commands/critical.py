@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..analysis.geometry import FIELDS
-from ..experiments.geometry import CRITICAL_RANGES
+from ..experiments.geometry import CRITICAL_RANGES, critical
 from ..ranges import Range
-from .arguments import Checked, experiment_command, run_experiment
+from .arguments import Checked, experiment_command
 
 
 @dataclass
@@ -37,10 +37,4 @@ class CriticalArguments(Checked):
 def critical_command_parser(subparsers):
     return experiment_command(subparsers, "critical", CriticalArguments,
                               "critical directions of the reduced fields and their tangent-Jacobian types",
-                              critical_command, docs="geometry.md")
-
-
-def critical_command(args) -> int:
-    from ..experiments.geometry import critical
-
-    return run_experiment(args, critical)
+                              critical, docs="geometry.md")

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..analysis.evaluation import update_variants
+from ..experiments.analysis import diagnose_layers
 from ..ranges import LAYER_INDICES, Range
-from .arguments import Checked, experiment_command, run_experiment
+from .arguments import Checked, experiment_command
 
 
 @dataclass
@@ -22,11 +23,5 @@ class DiagnoseArguments(Checked):
 
 def diagnose_command_parser(subparsers):
     return experiment_command(subparsers, "diagnose", DiagnoseArguments,
-                              "per-layer radial fraction, norms, angles, diversity, deficit", diagnose_command,
+                              "per-layer radial fraction, norms, angles, diversity, deficit", diagnose_layers,
                               docs="diagnostics.md")
-
-
-def diagnose_command(args) -> int:
-    from ..experiments.analysis import diagnose_layers
-
-    return run_experiment(args, diagnose_layers)

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..analysis.evaluation import update_variants
-from .arguments import Checked, experiment_command, run_experiment, text_source
+from ..experiments.evaluate import evaluate_rules
+from .arguments import Checked, experiment_command, text_source
 
 
 @dataclass
@@ -23,11 +24,6 @@ class EvalArguments(Checked):
 
 def eval_command_parser(subparsers):
     return experiment_command(subparsers, "eval", EvalArguments,
-                              "perplexity of the unpatched model and of each update rule on held-out text", eval_command)
-
-
-def eval_command(args) -> int:
-    from ..experiments.evaluate import evaluate_rules
-
-    return run_experiment(args, evaluate_rules, options=lambda own: {"rules": own.updates},
-                          text=lambda text, own: text_source(text, corpus=own.corpus))
+                              "perplexity of the unpatched model and of each update rule on held-out text", evaluate_rules,
+                              options=lambda own: {"rules": own.updates},
+                              text=lambda text, own: text_source(text, corpus=own.corpus))

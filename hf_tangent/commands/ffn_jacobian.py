@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..experiments.geometry import FFN_JACOBIAN_RANGES
+from ..experiments.geometry import FFN_JACOBIAN_RANGES, ffn_jacobian
 from ..ranges import Range
-from .arguments import Checked, experiment_command, run_experiment
+from .arguments import Checked, experiment_command
 
 
 @dataclass
@@ -24,11 +24,5 @@ class FfnJacobianArguments(Checked):
 
 def ffn_jacobian_command_parser(subparsers):
     return experiment_command(subparsers, "ffn-jacobian", FfnJacobianArguments,
-                              "FFN Jacobian, activation gain and keys/values view per layer", ffn_jacobian_command,
+                              "FFN Jacobian, activation gain and keys/values view per layer", ffn_jacobian,
                               docs="geometry.md")
-
-
-def ffn_jacobian_command(args) -> int:
-    from ..experiments.geometry import ffn_jacobian
-
-    return run_experiment(args, ffn_jacobian)

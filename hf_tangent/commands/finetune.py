@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from ..analysis.evaluation import update_variants
-from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings
+from ..experiments.finetune import DEFAULT_RULES, FinetuneTrainingArguments, LoraSettings, finetune
 from ..ranges import Range, at_least
-from .arguments import Checked, run_training, training_command
+from .arguments import Checked, training_command
 
 
 @dataclass
@@ -32,12 +32,6 @@ class FinetuneArguments(Checked):
 def finetune_command_parser(subparsers):
     return training_command(subparsers, "finetune", FinetuneArguments, FinetuneTrainingArguments,
                             "the same fine-tuning for the unpatched model and each update rule; perplexity deltas",
-                            finetune_command)
-
-
-def finetune_command(args) -> int:
-    from ..experiments.finetune import finetune
-
-    return run_training(args, finetune, lambda own, training: dict(
-        rules=own.updates, seeds=own.seeds, method=own.method, save_models=own.save_models,
-        lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets))))
+                            finetune, lambda own, training: dict(
+                                rules=own.updates, seeds=own.seeds, method=own.method, save_models=own.save_models,
+                                lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets))))

@@ -8,9 +8,9 @@ from typing import ClassVar, Literal
 
 from ..analysis.evaluation import update_variants
 from ..experiments.finetune import LoraSettings
-from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments
+from ..experiments.heal import SAMPLE_PROMPT, HealSettings, HealTrainingArguments, heal
 from ..ranges import Range, at_least
-from .arguments import Checked, CommandError, run_training, training_command
+from .arguments import Checked, CommandError, training_command
 
 _RULES = [name for name, config in update_variants().items() if config is not None]
 
@@ -50,22 +50,17 @@ class HealArguments(Checked):
 def heal_command_parser(subparsers):
     return training_command(subparsers, "heal", HealArguments, HealTrainingArguments,
                             "distil a patched model from its unpatched self (KL, homotopy); NLL before / after",
-                            heal_command)
+                            heal, _options)
 
 
-def heal_command(args) -> int:
-    from ..experiments.heal import heal
-
-    def options(own, training):
-        try:
-            tangent = dataclasses.replace(update_variants()[own.update], layers=own.layers,
-                                          parallel_layers=tuple(own.parallel_layers or ()))
-            settings = HealSettings(own.method, own.temperature, own.lm_weight, own.homotopy_fraction, own.schedule,
-                                    own.stages)
-        except ValueError as err:
-            raise CommandError(str(err)) from err
-        return dict(tangent=tangent, settings=settings, seeds=own.seeds, save_models=own.save_models,
-                    lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets)),
-                    save_full_models=own.save_full_models, prompt=own.prompt)
-
-    return run_training(args, heal, options)
+def _options(own, training) -> dict:
+    try:
+        tangent = dataclasses.replace(update_variants()[own.update], layers=own.layers,
+                                      parallel_layers=tuple(own.parallel_layers or ()))
+        settings = HealSettings(own.method, own.temperature, own.lm_weight, own.homotopy_fraction, own.schedule,
+                                own.stages)
+    except ValueError as err:
+        raise CommandError(str(err)) from err
+    return dict(tangent=tangent, settings=settings, seeds=own.seeds, save_models=own.save_models,
+                lora=LoraSettings(own.lora_r, own.lora_alpha, tuple(own.lora_targets)),
+                save_full_models=own.save_full_models, prompt=own.prompt)

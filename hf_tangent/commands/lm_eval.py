@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..analysis.evaluation import update_variants
+from ..experiments.downstream import lm_eval
 from ..integrations.harness.tasks import TASKS
 from ..ranges import Range, at_least
 from .arguments import DOCS, Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight
@@ -54,7 +55,7 @@ def parse_vllm_args(text: str | None) -> dict | None:
 def lm_eval_command_parser(subparsers):
     return add_command(subparsers, "lm-eval", (ModelArguments, RunArguments, LmEvalArguments),
                        "downstream accuracy (LM Evaluation Harness) of the unpatched model, update rules and saved "
-                       "patched models, with paired differences", lm_eval_command)
+                       "patched models, with paired differences", lm_eval_command, recipe_function=lm_eval)
 
 
 def lm_eval_command(args) -> int:
@@ -64,8 +65,6 @@ def lm_eval_command(args) -> int:
     require_lm_eval()  # before any model is loaded
     vllm_args = parse_vllm_args(options.vllm_args)
     preflight(run, output_dir=run.output_dir, device=run.device)
-    from ..experiments.downstream import lm_eval
-
     report = lm_eval(model.model, tasks=options.tasks, variants=options.variants,
                      model_folders=options.model_folders or [], include_path=options.include_path,
                      num_fewshot=options.num_fewshot, limit=options.limit, batch_size=run.batch_size,

@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..experiments.analysis import PARALLEL_SWEEP_RANGES
+from ..experiments.analysis import PARALLEL_SWEEP_RANGES, parallel_sweep
 from ..ranges import Range
 from .arguments import CalibrationTextArguments as _Calibration
-from .arguments import Checked, experiment_command, run_experiment, text_source
+from .arguments import Checked, experiment_command, text_source
 
 
 @dataclass
@@ -31,14 +31,9 @@ class SweepArguments(Checked):
 def parallel_sweep_command_parser(subparsers):
     return experiment_command(subparsers, "parallel-sweep", SweepArguments,
                               "held-out loss vs number of parallel-converted layers: low-C_l, high-C_l, random, greedy",
-                              parallel_sweep_command)
+                              parallel_sweep, options=_options,
+                              text=lambda text, own: text_source(text, _Calibration(calibration_files=own.calibration_files)))
 
 
-def parallel_sweep_command(args) -> int:
-    from ..experiments.analysis import parallel_sweep
-
-    def options(own):
-        return {k: v for k, v in dataclasses.asdict(own).items() if k != "calibration_files"}
-
-    return run_experiment(args, parallel_sweep, options=options,
-                          text=lambda text, own: text_source(text, _Calibration(calibration_files=own.calibration_files)))
+def _options(own) -> dict:
+    return {k: v for k, v in dataclasses.asdict(own).items() if k != "calibration_files"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..experiments.geometry import PRESSURE_RANGES
+from ..experiments.geometry import PRESSURE_RANGES, pressure
 from ..ranges import Range
-from .arguments import Checked, experiment_command, run_experiment
+from .arguments import Checked, experiment_command
 
 VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 
@@ -27,10 +27,4 @@ class PressureArguments(Checked):
 def pressure_command_parser(subparsers):
     return experiment_command(subparsers, "pressure", PressureArguments,
                               "spherical diversity under growing attention aggregation, per FFN variant",
-                              pressure_command, docs="geometry.md")
-
-
-def pressure_command(args) -> int:
-    from ..experiments.geometry import pressure
-
-    return run_experiment(args, pressure)
+                              pressure, docs="geometry.md")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..experiments.analysis import layer_sensitivity
 from ..ranges import TEXT_RANGES, Range
 from .arguments import CalibrationTextArguments as _Calibration
 from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight, text_source
@@ -23,12 +24,10 @@ class SensitivityArguments(Checked):
 def sensitivity_command_parser(subparsers):
     return add_command(subparsers, "sensitivity", (ModelArguments, SensitivityArguments, RunArguments),
                        "FFN input-sensitivity C_l of every layer on calibration text",
-                       sensitivity_command, docs="parallel.md")
+                       sensitivity_command, docs="parallel.md", recipe_function=layer_sensitivity)
 
 
 def sensitivity_command(args) -> int:
-    from ..experiments.analysis import layer_sensitivity
-
     model, options, run = dataclasses_of(args.parser, args)
     preflight(options, run, output_dir=run.output_dir, device=run.device)
     text = text_source(None, _Calibration(calibration_files=options.calibration_files))
