@@ -314,6 +314,13 @@ def test_a_model_sharing_a_patched_models_config_leaves_it_alone(ids, monkeypatc
     assert b.config is not config and type(a.config) is kind and a.config.hf_tangent == record
     assert ht.get_config(b).update == "zero" and ht.get_config(a).update == "projected"
     ht.unpatch(b)
+    # an unpatched model on A's config (it would save A's patch): unpatch gives it a config of its own without it
+    c = AutoModelForCausalLM.from_config(a.config)
+    ht.unpatch(c)
+    assert c.config is not a.config and not hasattr(c.config, "hf_tangent") and type(c.config) is kind.__mro__[1]
+    assert type(a.config) is kind and a.config.hf_tangent == record and ht.get_config(a).update == "projected"
+    c.save_pretrained(tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["model_type"] == "llama"
     ht.unpatch(a)
     a.save_pretrained(tmp_path / "a")
     assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == "llama"

@@ -168,12 +168,22 @@ def patch(model, config: TangentConfig):
 
 def unpatch(model):
     """Remove the patch (also through PEFT/DDP wrappers): outputs are bit-identical to the model
-    before `patch`. Returns the model as passed."""
+    before `patch`. A model without a patch of its own whose config holds another model's record (built from a
+    patched model's config) gets a config of its own without it, so that it saves as what it is. Returns the
+    model as passed."""
     base = require_model(model, "unpatch")
     if _owner(base) is not None:
         return _delegate(model, "unpatch")
     _refuse_inside_disabled(base, "unpatch")
-    _remove(base, _snapshot(base))
+    state = _snapshot(base)
+    if state.config is None and getattr(base.config, CONFIG_KEY, None) is not None:
+        # no patch of its own, on the config of a patched model (built from it: transformers shares the object), so
+        # it would save that model's patch: a config of its own without it (the other model's stays as it is)
+        install._own_config(base)
+        delattr(base.config, CONFIG_KEY)
+        if getattr(type(base.config), install._SAVES_PATCHED, False):
+            base.config.__class__ = type(base.config).__mro__[1]
+    _remove(base, state)
     return model
 
 
