@@ -77,6 +77,25 @@ def test_a_command_without_options_runs_its_function_at_the_function_defaults(co
     assert "dtype" in compared and ("seq_len" in compared or command == "lm-eval"), compared
 
 
+def test_the_settings_a_command_builds_have_their_own_defaults():
+    """The options a command turns into a settings object (heal's loss and homotopy, LoRA's rank, alpha and targets)
+    default to that object's own defaults: what `hf-tangent heal` builds without options equals HealSettings() and
+    LoraSettings()."""
+    import dataclasses
+
+    from hf_tangent.experiments.finetune import LoraSettings
+    from hf_tangent.experiments.heal import HealSettings
+
+    _, parsers = cli.build_parser()
+    lora = {"lora_r": LoraSettings().r, "lora_alpha": LoraSettings().alpha, "lora_targets": list(LoraSettings().targets)}
+    for command in ("heal", "finetune"):
+        parsed = vars(parsers[command].parse_args([]))
+        assert {k: parsed[k] for k in lora} == lora, command
+    parsed = vars(parsers["heal"].parse_args([]))
+    settings = dataclasses.asdict(HealSettings())
+    assert {k: parsed[k] for k in settings} == settings
+
+
 @pytest.mark.parametrize("argv, command, message", [
     (["eval", "--device", "cuda"], "eval", "CUDA is not available here"),
     (["eval", "--device", "gpu0"], "eval", "is not a device"),

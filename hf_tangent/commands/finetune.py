@@ -20,8 +20,8 @@ class FinetuneArguments(Checked):
         "choices": list(update_variants()), "metavar": "NAME"})
     seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "one run per seed and variant"})
     method: Literal["lora", "full"] = field(default="lora", metadata={"help": "LoRA (PEFT) or full fine-tuning"})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_r: int = field(default=LoraSettings.r, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=LoraSettings.alpha, metadata={"help": "LoRA alpha"})
     lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
         "help": "LoRA target modules (names of the model's Linear layers)"})
     save_models: bool = field(default=False, metadata={

@@ -24,19 +24,19 @@ class HealArguments(Checked):
     layers: list[int] | None = field(default=None, metadata={"help": "layers that get the rule (default: all)"})
     parallel_layers: list[int] | None = field(default=None, metadata={
         "help": "layers converted to parallel-residual form (with --update add: conversion only)"})
-    method: Literal["lora", "full"] = field(default="lora", metadata={
+    method: Literal["lora", "full"] = field(default=HealSettings.method, metadata={
         "help": "LoRA (teacher: the same model, patch and adapters off) or full fine-tuning (teacher: a frozen copy)"})
-    temperature: float = field(default=1.0, metadata={"help": "distillation temperature T (loss T^2 KL)"})
-    lm_weight: float = field(default=0.0, metadata={"help": "weight of the LM loss mixed with the KL, in [0, 1]"})
-    homotopy_fraction: float = field(default=0.5, metadata={
+    temperature: float = field(default=HealSettings.temperature, metadata={"help": "distillation temperature T (loss T^2 KL)"})
+    lm_weight: float = field(default=HealSettings.lm_weight, metadata={"help": "weight of the LM loss mixed with the KL, in [0, 1]"})
+    homotopy_fraction: float = field(default=HealSettings.homotopy_fraction, metadata={
         "help": "fraction of the steps over which the patch moves from the identity to the target (0: direct)"})
-    schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "homotopy schedule"})
-    stages: int = field(default=1, metadata={
+    schedule: Literal["linear", "cosine"] = field(default=HealSettings.schedule, metadata={"help": "homotopy schedule"})
+    stages: int = field(default=HealSettings.stages, metadata={
         "help": "progressive healing: the patched layers in this many groups (depth order), each moved to the "
                 "target in turn during the homotopy (1: all layers at once)"})
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "one run per seed"})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_r: int = field(default=LoraSettings.r, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=LoraSettings.alpha, metadata={"help": "LoRA alpha"})
     lora_targets: list[str] = field(default_factory=lambda: list(LoraSettings.targets), metadata={
         "help": "LoRA target modules (names of the model's Linear layers)"})
     save_models: bool = field(default=False, metadata={
