@@ -169,10 +169,11 @@ def _remove(model, state: _PatchState) -> None:
         if layer._modules.get(CHILD_NAME) is child:
             del layer._modules[CHILD_NAME]
     vars(model).pop(_MODEL_ATTR, None)
-    if state.record is not None and hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
-    if state.record is not None and getattr(type(model.config), _SAVES_PATCHED, False):
-        model.config.__class__ = type(model.config).__mro__[1]
+    if state.record is not None:
+        if hasattr(model.config, CONFIG_KEY):
+            delattr(model.config, CONFIG_KEY)
+        if getattr(type(model.config), _SAVES_PATCHED, False):
+            model.config.__class__ = type(model.config).__mro__[1]
     if _PACKAGE["atomic_save"] is not None and isinstance(vars(model).get("save_pretrained"), _PACKAGE["atomic_save"]):
         del vars(model)["save_pretrained"]
 

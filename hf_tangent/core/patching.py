@@ -178,11 +178,10 @@ def unpatch(model):
     state = _snapshot(base)
     if state.config is None and getattr(base.config, CONFIG_KEY, None) is not None:
         # no patch of its own, on the config of a patched model (built from it: transformers shares the object), so
-        # it would save that model's patch: a config of its own without it (the other model's stays as it is)
+        # it would save that model's patch: a config of its own, whose record _remove takes off (the other model's
+        # stays as it is)
         install._own_config(base)
-        delattr(base.config, CONFIG_KEY)
-        if getattr(type(base.config), install._SAVES_PATCHED, False):
-            base.config.__class__ = type(base.config).__mro__[1]
+        state.record = getattr(base.config, CONFIG_KEY)
     _remove(base, state)
     return model
 
