@@ -222,7 +222,7 @@ def lastword_baselines(items: list[dict], model: Trigram, calibration_targets: C
 
 # ----------------------------------------------------------------------------- the report
 def calibration_model():
-    from hf_tangent.integrations.harness.tasks import _paragraphs, lastword_items
+    from benchmarks.lm_eval_tasks import _paragraphs, lastword_items
     from hf_tangent.training.data import AUSTEN_SPLITS, austen_dir
 
     folder = austen_dir()

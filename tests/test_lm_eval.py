@@ -18,6 +18,9 @@ import hf_tangent as ht  # noqa: E402
 from hf_tangent.experiments.downstream import _paired  # noqa: E402
 from hf_tangent.integrations.harness import run, tasks  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import lm_eval_tasks  # noqa: E402  (the builder of the shipped task data: a tool of the checkout)
+
 LIMIT = 12
 
 
@@ -45,7 +48,7 @@ def test_the_shipped_tasks_regenerate_from_the_novels(tmp_path):
 
     if not SHARED_AUSTEN.is_dir():
         pytest.skip("the whole novels are in ../shared only")
-    assert tasks.build(SHARED_AUSTEN, tmp_path) == {"austen_lastword": 1960, "austen_nextsentence": 1192,
+    assert lm_eval_tasks.build(SHARED_AUSTEN, tmp_path) == {"austen_lastword": 1960, "austen_nextsentence": 1192,
                                                     "austen_perplexity": 103}
     for task in tasks.TASKS:
         assert (tmp_path / f"{task}.jsonl").read_bytes() == tasks.data_file(task).read_bytes()
@@ -55,9 +58,9 @@ def test_the_shipped_tasks_regenerate_from_the_novels(tmp_path):
 
 def test_the_sentence_splitter_keeps_closing_quotes_with_their_sentence():
     paragraph = '"Six years hence! Dear Miss Woodhouse, he would be thirty!" said she. \'Tis so. Mr. Knightley came.'
-    assert tasks._sentences(paragraph) == ['"Six years hence!', 'Dear Miss Woodhouse, he would be thirty!" said she.',
+    assert lm_eval_tasks._sentences(paragraph) == ['"Six years hence!', 'Dear Miss Woodhouse, he would be thirty!" said she.',
                                            "'Tis so.", "Mr. Knightley came."]
-    assert tasks._sentences('He said, "No." She smiled.') == ['He said, "No."', "She smiled."]
+    assert lm_eval_tasks._sentences('He said, "No." She smiled.') == ['He said, "No."', "She smiled."]
 
 
 def test_nextsentence_items_are_independent_and_their_choices_look_alike():
@@ -81,10 +84,10 @@ def test_nextsentence_items_are_independent_and_their_choices_look_alike():
     assert all(abs(n - len(items) / 4) < 4 * (len(items) * 3 / 16) ** 0.5 for n in golds.values()), golds
     if not SHARED_AUSTEN.is_dir():
         pytest.skip("the cells are read from the whole novels in ../shared")
-    rows = {r["text"]: r for n in tasks.NOVELS
-            for r in tasks.sentence_table((SHARED_AUSTEN / f"{n}.txt").read_text(encoding="utf-8"))}
+    rows = {r["text"]: r for n in lm_eval_tasks.NOVELS
+            for r in lm_eval_tasks.sentence_table((SHARED_AUSTEN / f"{n}.txt").read_text(encoding="utf-8"))}
     for item in items:
-        cells = {tasks.surface_cell(rows[c]) for c in item["choices"]}
+        cells = {lm_eval_tasks.surface_cell(rows[c]) for c in item["choices"]}
         assert len(cells) == 1, item
 
 
