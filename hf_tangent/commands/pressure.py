@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..experiments.geometry import PRESSURE_RANGES, pressure
+from ..experiments.geometry import PRESSURE_RANGES, PRESSURE_VARIANTS, pressure
 from ..ranges import Range
 from .arguments import Checked, experiment_command
-
-VARIANTS = ("full", "tangential_only", "radial_only", "zero_ffn")
 
 
 @dataclass
@@ -19,8 +17,8 @@ class PressureArguments(Checked):
 
     factors: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25, 0.1, 0.0], metadata={
         "help": "attention logit-scale factors (1: the model, 0: uniform averaging = most pressure)"})
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={
-        "help": "FFN variants in all layers: " + ", ".join(VARIANTS)})
+    variants: list[str] = field(default_factory=lambda: list(PRESSURE_VARIANTS), metadata={
+        "help": "FFN variants in all layers: " + ", ".join(PRESSURE_VARIANTS)})
     layers: list[int] | None = field(default=None, metadata={"help": "layers whose diversity is recorded (default all)"})
 
 

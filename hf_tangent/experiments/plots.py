@@ -32,9 +32,7 @@ def gate_profile(gates: dict[int, float], path: str, title: str = "Calibrated FF
     layers = sorted(gates)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="natural (1.0)")
     ax.plot(layers, [gates[i] for i in layers], marker="o", label="calibrated gate")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("gate alpha_l")
-    ax.set_title(title)
+    ax.set(xlabel="layer", ylabel="gate alpha_l", title=title)
     ax.legend()
     return _save(fig, path)
 
@@ -55,9 +53,7 @@ def loss_curves(curves: dict[str, list[list[tuple[int, float]]]], path: str, tit
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
     for (name, value), style in zip((levels or {}).items(), ("--", "-"), strict=False):
         ax.axhline(value, color="black", lw=1.2, ls=style, label=f"{name}: {value:.4f}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
+    ax.set(xlabel="optimizer step", ylabel="training loss", title=title)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -83,8 +79,7 @@ def rule_deltas(rows: list[dict], path: str, title: str = "Update rules, untrain
     ax.set_xscale("log")
     ax.set_xlim(1e-4, max(shown) * 8)
     ax.invert_yaxis()
-    ax.set_xlabel("delta NLL vs the unpatched model (nats per token, log scale)")
-    ax.set_title(title)
+    ax.set(xlabel="delta NLL vs the unpatched model (nats per token, log scale)", title=title)
     return _save(fig, path)
 
 
@@ -108,8 +103,7 @@ def diagnostics_layers(records: list[dict], path: str, title: str = "Per-layer d
             if "q05" in records[0][name]:
                 ax.fill_between(layers, [r[name]["q05"] for r in records], [r[name]["q95"] for r in records],
                                 color=line.get_color(), alpha=0.15)
-        ax.set_xlabel("layer")
-        ax.set_ylabel(label)
+        ax.set(xlabel="layer", ylabel=label)
         ax.legend(fontsize=7)
     fig.suptitle(title)
     return _save(fig, path)
@@ -152,9 +146,7 @@ def sensitivity_profile(layers: list[dict], path: str, title: str = "FFN input s
     rows = [r for r in layers if not r["already_parallel"]]
     ax.bar([r["layer"] for r in rows], [r["window_mean"] for r in rows], yerr=[r["window_std"] for r in rows],
            capsize=2, color="tab:green")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("C_l (mean, +- sd over windows)")
-    ax.set_title(title)
+    ax.set(xlabel="layer", ylabel="C_l (mean, +- sd over windows)", title=title)
     return _save(fig, path)
 
 
@@ -168,8 +160,7 @@ def parallel_sweep(curves: dict, random_std: dict, path: str, title: str = "Para
         if schedule == "random" and random_std:
             ax.fill_between(ks, [curve[k] - random_std.get(k, 0) for k in ks],
                             [curve[k] + random_std.get(k, 0) for k in ks], color="tab:grey", alpha=0.2)
-    ax.set_xlabel("layers converted (k)")
-    ax.set_ylabel("held-out loss increase (nats/token)")
+    ax.set(xlabel="layers converted (k)", ylabel="held-out loss increase (nats/token)")
     ax.set_yscale("symlog", linthresh=0.01)
     ax.set_title(title)
     ax.legend()
@@ -230,9 +221,7 @@ def critical_eigenvalues(spectra: dict[str, list[list[list[float]]]], path: str,
             radius = max(math.hypot(a, b) for a, b in eig) or 1.0
             ax.scatter([a / radius for a, _ in eig], [b / radius for _, b in eig], s=2, alpha=0.3)
         ax.axvline(0.0, color="grey", lw=0.8)
-        ax.set_xlabel("Re lambda / spectral radius")
-        ax.set_ylabel("Im lambda / spectral radius")
-        ax.set_title(f"{field} ({len(per_layer)} layers)")
+        ax.set(xlabel="Re lambda / spectral radius", ylabel="Im lambda / spectral radius", title=f"{field} ({len(per_layer)} layers)")
     fig.suptitle(title)
     return _save(fig, path)
 
@@ -266,8 +255,7 @@ def pressure_curves(summary: list[dict], path: str, title: str) -> str:
         axes[1].plot(x, [r["ffn_lift"] for r in rows], marker="o", label=variant)
     for ax, ylabel in zip(axes, ("D at the output", "mean FFN lift of D (after FFN - after attention)"), strict=True):
         ax.invert_xaxis()  # left to right: more pressure
-        ax.set_xlabel("attention logit factor (1: model, 0: uniform average)")
-        ax.set_ylabel(ylabel)
+        ax.set(xlabel="attention logit factor (1: model, 0: uniform average)", ylabel=ylabel)
     axes[1].axhline(0.0, color="grey", lw=0.8)
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
@@ -314,7 +302,6 @@ def paired_differences(paired: dict, tasks: list[str], path: str, title: str) ->
         ax.axvline(0.0, color="grey", lw=0.8)
         ax.set_yticks(list(y))
         ax.set_yticklabels([v[-28:] for v in variants], fontsize=7)
-        ax.set_xlabel(f"{metric} - {metric}(unpatched)")
-        ax.set_title(task)
+        ax.set(xlabel=f"{metric} - {metric}(unpatched)", title=task)
     fig.suptitle(title)
     return _save(fig, path)
