@@ -326,6 +326,25 @@ def test_a_model_sharing_a_patched_models_config_leaves_it_alone(ids, monkeypatc
     assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == "llama"
 
 
+def test_unpatch_of_a_module_that_holds_patched_layers_but_not_the_patch_is_refused(ids):
+    """`ht.unpatch(model.model)` of a patched model took the patch off its layers while the model still counted as
+    patched (and saved the patch); the reverse too: unpatch of the model that holds a patched `model.model`."""
+    outer = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
+    with torch.no_grad():
+        before = outer(ids).logits
+    with pytest.raises(ValueError, match="holds patched layers, but the patch belongs to the module that was patched"):
+        ht.unpatch(outer.model)
+    with torch.no_grad():
+        assert torch.equal(outer(ids).logits, before)
+    assert len(ht.tangent_layers(outer)) == len(outer.model.layers) and ht.get_config(outer).update == "projected"
+    inner = make_tiny("llama")
+    ht.patch(inner.model, ht.TangentConfig(update="projected"))
+    with pytest.raises(ValueError, match="unpatch that module"):
+        ht.unpatch(inner)
+    ht.unpatch(inner.model)
+    assert ht.get_config(inner.model) is None and not ht.tangent_layers(inner)
+
+
 def test_wrapped_models_are_refused(ids):
     from peft import LoraConfig, get_peft_model
 

@@ -176,6 +176,10 @@ def unpatch(model):
         return _delegate(model, "unpatch")
     _refuse_inside_disabled(base, "unpatch")
     state = _snapshot(base)
+    if state.config is None and state.children:  # e.g. `model.model` of a patched model: the patch is its holder's
+        raise ValueError(f"hf_tangent.unpatch: this {type(base).__name__} holds patched layers, but the patch belongs "
+                         "to the module that was patched (the one passed to hf_tangent.patch, which holds this one or "
+                         "is inside it); unpatch that module.")
     if state.config is None and getattr(base.config, CONFIG_KEY, None) is not None:
         # no patch of its own, on the config of a patched model (built from it: transformers shares the object), so
         # it would save that model's patch: a config of its own, whose record _remove takes off (the other model's
