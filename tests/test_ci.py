@@ -35,7 +35,7 @@ def test_ci_runs_the_readme_test_command_verbatim_in_a_subshell():
 # A stand-in python3: `-m venv DIR` makes DIR/bin/activate (which puts the stand-ins first on PATH);
 # `-c` runs the real Python (.ci/run reads pyproject.toml with it); every other call is logged;
 # `-m pytest` exits with $PYTEST_EXIT, or 1 when its arguments contain $PYTEST_FAIL_IF (once a call containing
-# $PYTEST_AFTER is logged, if set; after sleeping $PYTEST_SLEEP seconds, or 4 s when its arguments contain
+# $PYTEST_AFTER is logged, if set; after sleeping $PYTEST_SLEEP seconds, or 8 s when its arguments contain
 # $PYTEST_SLOW_IF, and logging that it finished, if set).
 # The stand-in pip logs its arguments and the lines of a `-r` file, and exits with $PIP_EXIT, or 1
 # when its arguments contain $PIP_FAIL_IF; when they contain $PIP_SLOW_IF it first sleeps 4 s and
@@ -53,7 +53,7 @@ if [ "$1 $2" = "-m pytest" ]; then
     if [ -z "${PYTEST_AFTER:-}" ] || grep -qF -- "$PYTEST_AFTER" "$CI_LOG"; then break; fi
     sleep 0.1
   done
-  if [ -n "${PYTEST_SLOW_IF:-}" ] && [[ "$*" == *"$PYTEST_SLOW_IF"* ]]; then PYTEST_SLEEP=4; fi
+  if [ -n "${PYTEST_SLOW_IF:-}" ] && [[ "$*" == *"$PYTEST_SLOW_IF"* ]]; then PYTEST_SLEEP=8; fi
   if [ -n "${PYTEST_SLEEP:-}" ]; then sleep "$PYTEST_SLEEP"; echo "pytest finished $*" >> "$CI_LOG"; fi
   if [ -n "${PYTEST_FAIL_IF:-}" ] && [[ "$*" == *"$PYTEST_FAIL_IF"* ]]; then exit 1; fi
   exit "${PYTEST_EXIT:-0}"
@@ -117,12 +117,14 @@ def requirements_after(calls: list[str], call: str) -> list[str]:
 
 
 def test_ci_passes_when_every_step_passes(tmp_path):
-    result, calls = run_ci(tmp_path)
+    result, calls = run_ci(tmp_path, PYTEST_SLOW_IF="-m docs")
     assert result.returncode == 0, result.stderr
     runs = [c for c in calls if c.startswith("python3 -m pytest")]
     assert [c for c in runs if c != DOCUMENTED] == ["python3 -m pytest", "python3 -m pytest -m core", VLLM_SUBSET]
-    # the documented commands: once, after the main job made .venv (in the background beside the other two)
+    # the documented commands: once, after the main job made .venv, in the background beside the other two, and
+    # waited for
     assert runs.count(DOCUMENTED) == 1 and calls.index(DOCUMENTED) > calls.index("python3 -m pytest")
+    assert calls.index(VLLM_SUBSET) < calls.index("pytest finished " + DOCUMENTED.removeprefix("python3 "))
     # the two other environments get pyproject.toml's requirements (read independently here) ...
     oldest = next(c for c in calls if c.startswith("pip install -q -r") and "transformers==4.57.1" in c)
     assert requirements_after(calls, oldest) == requirements("test")
@@ -176,9 +178,10 @@ def test_ci_fails_when_a_documented_command_fails(tmp_path):
 
 
 def test_a_failing_step_stops_the_documented_commands_in_the_background(tmp_path):
-    result, calls = run_ci(tmp_path, PYTEST_FAIL_IF="-m core", PYTEST_SLOW_IF="-m docs")
+    # the oldest environment's install takes 4 s (the documented commands have started), its tests fail
+    result, calls = run_ci(tmp_path, PYTEST_FAIL_IF="-m core", PYTEST_SLOW_IF="-m docs", PIP_SLOW_IF="--no-deps -e .")
     assert result.returncode != 0 and DOCUMENTED in calls
-    time.sleep(6)  # longer than the stand-in's documented commands
+    time.sleep(6)  # the stand-in's documented commands would finish by now
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert not any(c.startswith("pytest finished") for c in calls), "the documented commands went on"
     assert not list(tmp_path.glob("tmp*")), "the work folder is left behind"

@@ -124,6 +124,10 @@ def user_env() -> dict:
     return {**env, "HF_TANGENT_SMOKE": "1"}
 
 
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run_block(clone: Path, page: str, steps, log: Path) -> list[tuple[int, float]]:
     """Runs a block's script in `clone`, its output appended to `log`: (line number, seconds) of each line that ran,
     or the test fails naming the page, the line and the tail of its output."""
@@ -131,15 +135,21 @@ def run_block(clone: Path, page: str, steps, log: Path) -> list[tuple[int, float
         start = out.tell()
         proc = subprocess.Popen(["bash", "-c", script(steps)], cwd=clone, env=user_env(), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # the block is in a session of its own (so that one kill stops what its lines left running): a SIGTERM or
+        # SIGHUP to this process (CI's trap, a runner's timeout) raises here, so that the kill below runs
+        handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             rc = proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
             rc = None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what a line left running (`&`), or the block that timed out
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what a line left running (`&`), or the block that timed out
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     output = log.read_bytes()[start:].decode(errors="replace")
     # a mark may follow a line's last output on the same line (a progress bar ends without a newline)
     marks = [(int(n), kind, rest.split()) for n, kind, rest in re.findall(rf"{MARK} (\d+) (\w+) (.*)$", output, re.M)]
@@ -181,6 +191,24 @@ def test_documented_commands_run_at_smoke_size(clone, page):
         report += [f"  {page}:{n} " + (f"{seconds[n]:7.1f} s" if skip is None else f"skipped: {skip}")
                    + f" | {line[:90]}" for n, line, skip in steps]
     print(f"\n{page}: {time.monotonic() - started:.0f} s (log: {log})", *report, sep="\n")
+
+
+def test_a_signal_to_the_runner_stops_the_block_it_runs(tmp_path):
+    """A block runs in a session of its own; a SIGTERM to the runner (CI's trap) stops it too: it used to go on."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from pathlib import Path; "
+            "import test_documented_commands as t; "
+            f"t.run_block(Path({str(tmp_path)!r}), 'page', [(1, 'touch started && sleep 3 && touch finished', None)], "
+            f"Path({str(tmp_path / 'log')!r}))")
+    runner = subprocess.Popen([sys.executable, "-c", code])
+    for _ in range(300):
+        if (tmp_path / "started").exists():
+            break
+        time.sleep(0.1)
+    assert (tmp_path / "started").exists()
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(4)  # longer than the block
+    assert not (tmp_path / "finished").exists(), "the block went on after its runner stopped"
 
 
 # --------------------------------------------------------------------------------------- the default run
