@@ -10,7 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-from hf_tangent.integrations.harness.tasks import NOVELS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf_tangent from this checkout
+from hf_tangent.integrations.harness.tasks import NOVELS  # noqa: E402
 
 ITEMS = 2000  # per task, at most
 SEED = 0
@@ -207,4 +208,7 @@ def build(source: Path, target: Path) -> dict[str, int]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python benchmarks/lm_eval_tasks.py FOLDER (a folder holding "
+                 + ", ".join(f"{n}.txt" for n in NOVELS) + ")")
     print(build(Path(sys.argv[1]), Path(__file__).resolve().parents[1] / "hf_tangent" / "integrations" / "harness" / "data"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from importlib import resources
 from pathlib import Path
@@ -120,4 +121,7 @@ def task_folder(folder: str | Path | None = None) -> Path:
 
 
 if __name__ == "__main__":  # python -m hf_tangent.integrations.harness.tasks: prints the task folder
+    if len(sys.argv) > 1:
+        sys.exit("usage: python -m hf_tangent.integrations.harness.tasks (no arguments: prints the task folder); the "
+                 "task data is built by benchmarks/lm_eval_tasks.py in a checkout")
     print(task_folder())
