@@ -345,6 +345,32 @@ def test_unpatch_of_a_module_that_holds_patched_layers_but_not_the_patch_is_refu
     assert ht.get_config(inner.model) is None and not ht.tangent_layers(inner)
 
 
+def test_a_patch_that_cannot_be_put_back_after_a_block_leaves_the_model_unpatched(ids, monkeypatch):
+    """If putting the patch back fails on leaving `disabled` (here: the second layer's install), the model was left
+    half-patched (some layers hooked, no config); now it is left unpatched, exactly, with an error that says so."""
+    model = make_tiny("llama")
+    with torch.no_grad():
+        plain = model(ids).logits
+    ht.patch(model, ht.TangentConfig(update="projected"))
+    install, calls = ht.TangentLayer.install, []
+
+    def second_fails(self, layer):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        install(self, layer)
+
+    with pytest.raises(RuntimeError, match="could not be put back after the block .*boom.* left unpatched"):
+        with ht.disabled(model):
+            monkeypatch.setattr(ht.TangentLayer, "install", second_fails)
+    monkeypatch.undo()
+    assert ht.get_config(model) is None and not ht.tangent_layers(model) and not hasattr(model.config, "hf_tangent")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+    ht.patch(model, ht.TangentConfig(update="projected"))
+    assert len(ht.tangent_layers(model)) == len(model.model.layers)
+
+
 def test_wrapped_models_are_refused(ids):
     from peft import LoraConfig, get_peft_model
 

@@ -253,9 +253,15 @@ def preserved(model):
         _remove(base, _snapshot(base))
         for child, blend in blends:
             child.blend = blend
-        _apply(base, state)
-        if marker is not None:
-            vars(base)[_DISABLED_ATTR] = marker
+        try:
+            _apply(base, state)
+        except BaseException as err:  # never half-patched: what was put back comes off again
+            _remove(base, _snapshot(base))
+            raise RuntimeError(f"hf_tangent: the model's patch could not be put back after the block ({err!r}); the "
+                               "model is left unpatched: patch it again.") from err
+        finally:
+            if marker is not None:
+                vars(base)[_DISABLED_ATTR] = marker
 
 
 @contextlib.contextmanager
