@@ -326,21 +326,29 @@ def test_a_model_sharing_a_patched_models_config_leaves_it_alone(ids, monkeypatc
     assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == "llama"
 
 
-def test_unpatch_of_a_module_that_holds_patched_layers_but_not_the_patch_is_refused(ids):
+def test_a_module_that_holds_patched_layers_but_not_their_patch_is_refused(ids):
     """`ht.unpatch(model.model)` of a patched model took the patch off its layers while the model still counted as
-    patched (and saved the patch); the reverse too: unpatch of the model that holds a patched `model.model`."""
+    patched (and saved the patch); the reverse too: unpatch of the model that holds a patched `model.model`. Patching
+    `model.model` of a patched model ran another rule under the model's record, and `disabled(model.model)` let the
+    model be unpatched inside the block, its hooks back without a config after it: refused the same way."""
     outer = ht.patch(make_tiny("llama"), ht.TangentConfig(update="projected"))
     with torch.no_grad():
         before = outer(ids).logits
-    with pytest.raises(ValueError, match="holds patched layers, but the patch belongs to the module that was patched"):
-        ht.unpatch(outer.model)
+    for call in (ht.unpatch, lambda m: ht.patch(m, ht.TangentConfig(update="retract")), lambda m: ht.disabled(m).__enter__()):
+        with pytest.raises(ValueError, match="holds patched layers, but the patch belongs to the module that was patched"):
+            call(outer.model)
     with torch.no_grad():
         assert torch.equal(outer(ids).logits, before)
     assert len(ht.tangent_layers(outer)) == len(outer.model.layers) and ht.get_config(outer).update == "projected"
+    assert ht.get_config(outer.model) is None and outer.config.hf_tangent["config"]["update"] == "projected"
     inner = make_tiny("llama")
     ht.patch(inner.model, ht.TangentConfig(update="projected"))
-    with pytest.raises(ValueError, match="unpatch that module"):
-        ht.unpatch(inner)
+    for call in (ht.unpatch, lambda m: ht.patch(m, ht.TangentConfig(update="retract")), lambda m: ht.disabled(m).__enter__()):
+        with pytest.raises(ValueError, match="pass that module"):
+            call(inner)
+    compiled = torch.compile(outer)
+    with pytest.raises(ValueError, match="through torch.compile its `_orig_mod`"):
+        ht.unpatch(compiled)
     ht.unpatch(inner.model)
     assert ht.get_config(inner.model) is None and not ht.tangent_layers(inner)
 
@@ -369,6 +377,16 @@ def test_a_patch_that_cannot_be_put_back_after_a_block_leaves_the_model_unpatche
         assert torch.equal(model(ids).logits, plain)
     ht.patch(model, ht.TangentConfig(update="projected"))
     assert len(ht.tangent_layers(model)) == len(model.model.layers)
+
+    def interrupted(self, layer):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # as it is, not as a RuntimeError; the model unpatched all the same
+        with ht.disabled(model):
+            monkeypatch.setattr(ht.TangentLayer, "install", interrupted)
+    monkeypatch.undo()
+    assert ht.get_config(model) is None and not ht.tangent_layers(model)
+    ht.patch(model, ht.TangentConfig(update="projected"))  # not left inside the block: patching is allowed
 
 
 def test_wrapped_models_are_refused(ids):

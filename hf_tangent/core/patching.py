@@ -39,6 +39,16 @@ from .layer import TangentLayer
 from .wrappers import unwrap
 
 
+def _refuse_layers_of_another(base, function: str) -> None:
+    """A module that holds patched layers without their patch (`model.model` of a patched model, the model around a
+    patched `model.model`, a wrapper that unwrap does not know): the patch is the patched module's."""
+    if _MODEL_ATTR not in vars(base) and _patched_layers(base):
+        raise ValueError(f"hf_tangent.{function}: this {type(base).__name__} holds patched layers, but the patch belongs "
+                         "to the module that was patched (the one passed to hf_tangent.patch, which holds this one or "
+                         f"is inside it: through torch.compile its `_orig_mod`, through PEFT `get_base_model()`); pass "
+                         "that module.")
+
+
 def _refuse_compiled_or_wrapped(model) -> None:
     """A model compiled or wrapped already: the patch's hooks would never run, or its gates be missed."""
     if not isinstance(model, nn.Module):
@@ -163,6 +173,8 @@ def patch(model, config: TangentConfig):
     if _owner(model) is not None:
         return _delegate(model, "patch", _as_owner_config(_owner(model), config))
     _refuse_compiled_or_wrapped(model)
+    if isinstance(model, nn.Module):
+        _refuse_layers_of_another(model, "patch")
     return install._patch(model, config, verify=True)
 
 
@@ -175,11 +187,8 @@ def unpatch(model):
     if _owner(base) is not None:
         return _delegate(model, "unpatch")
     _refuse_inside_disabled(base, "unpatch")
+    _refuse_layers_of_another(base, "unpatch")
     state = _snapshot(base)
-    if state.config is None and state.children:  # e.g. `model.model` of a patched model: the patch is its holder's
-        raise ValueError(f"hf_tangent.unpatch: this {type(base).__name__} holds patched layers, but the patch belongs "
-                         "to the module that was patched (the one passed to hf_tangent.patch, which holds this one or "
-                         "is inside it); unpatch that module.")
     if state.config is None and getattr(base.config, CONFIG_KEY, None) is not None:
         # no patch of its own, on the config of a patched model (built from it: transformers shares the object), so
         # it would save that model's patch: a config of its own, whose record _remove takes off (the other model's
@@ -250,15 +259,18 @@ def preserved(model):
     try:
         yield model
     finally:
-        _remove(base, _snapshot(base))
-        for child, blend in blends:
-            child.blend = blend
         try:
-            _apply(base, state)
-        except BaseException as err:  # never half-patched: what was put back comes off again
             _remove(base, _snapshot(base))
-            raise RuntimeError(f"hf_tangent: the model's patch could not be put back after the block ({err!r}); the "
-                               "model is left unpatched: patch it again.") from err
+            for child, blend in blends:
+                child.blend = blend
+            try:
+                _apply(base, state)
+            except BaseException as err:  # never half-patched: what was put back comes off again
+                _remove(base, _snapshot(base))
+                if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                    raise
+                raise RuntimeError(f"hf_tangent: the model's patch could not be put back after the block ({err!r}); "
+                                   "the model is left unpatched: patch it again.") from err
         finally:
             if marker is not None:
                 vars(base)[_DISABLED_ATTR] = marker
@@ -288,6 +300,7 @@ def disabled(model):
         with _delegate(model, "disabled"):
             yield model
         return
+    _refuse_layers_of_another(base, "disabled")
     with preserved(base):
         _remove(base, _snapshot(base))
         vars(base)[_DISABLED_ATTR] = True
