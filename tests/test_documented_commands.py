@@ -125,19 +125,19 @@ def user_env() -> dict:
 
 
 def _stop(signum, frame):
-    raise SystemExit(128 + signum)
+    raise KeyboardInterrupt  # pytest ends the whole run on it (a SystemExit only fails the page, and the next runs)
 
 
 def run_block(clone: Path, page: str, steps, log: Path) -> list[tuple[int, float]]:
     """Runs a block's script in `clone`, its output appended to `log`: (line number, seconds) of each line that ran,
     or the test fails naming the page, the line and the tail of its output."""
+    # the block is in a session of its own (so that one kill stops what its lines left running): a SIGTERM or SIGHUP
+    # to this process (CI's trap, a runner's timeout) raises here, so that the kill below runs and pytest stops
+    handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     with open(log, "ab") as out:
         start = out.tell()
         proc = subprocess.Popen(["bash", "-c", script(steps)], cwd=clone, env=user_env(), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        # the block is in a session of its own (so that one kill stops what its lines left running): a SIGTERM or
-        # SIGHUP to this process (CI's trap, a runner's timeout) raises here, so that the kill below runs
-        handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             rc = proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -193,22 +193,27 @@ def test_documented_commands_run_at_smoke_size(clone, page):
     print(f"\n{page}: {time.monotonic() - started:.0f} s (log: {log})", *report, sep="\n")
 
 
-def test_a_signal_to_the_runner_stops_the_block_it_runs(tmp_path):
-    """A block runs in a session of its own; a SIGTERM to the runner (CI's trap) stops it too: it used to go on."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from pathlib import Path; "
-            "import test_documented_commands as t; "
-            f"t.run_block(Path({str(tmp_path)!r}), 'page', [(1, 'touch started && sleep 3 && touch finished', None)], "
-            f"Path({str(tmp_path / 'log')!r}))")
-    runner = subprocess.Popen([sys.executable, "-c", code])
-    for _ in range(300):
-        if (tmp_path / "started").exists():
+def test_a_signal_to_the_runner_stops_the_block_it_runs_and_the_run(tmp_path):
+    """A block runs in a session of its own; a SIGTERM to the runner (CI's trap) stops it and ends the pytest run:
+    the block went on, and then (a SystemExit only failing its page) the next page started."""
+    (tmp_path / "test_pages.py").write_text(
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from pathlib import Path\nimport pytest\nimport test_documented_commands as t\n"
+        "@pytest.mark.parametrize('page', ['a', 'b'])\ndef test_page(page):\n"
+        f"    t.run_block(Path({str(tmp_path)!r}), page, [(1, f'touch started_{{page}} && sleep 3 && touch "
+        f"finished_{{page}}', None)], Path({str(tmp_path / 'log')!r}))\n")
+    runner = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_pages.py"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        if (tmp_path / "started_a").exists():
             break
         time.sleep(0.1)
-    assert (tmp_path / "started").exists()
+    assert (tmp_path / "started_a").exists()
     runner.send_signal(signal.SIGTERM)
-    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
-    time.sleep(4)  # longer than the block
-    assert not (tmp_path / "finished").exists(), "the block went on after its runner stopped"
+    assert runner.wait(timeout=60) != 0
+    time.sleep(4)  # longer than a block
+    assert not {"finished_a", "started_b", "finished_b"} & {p.name for p in tmp_path.iterdir()}, \
+        "the block, or the next page, went on after the runner was stopped"
 
 
 # --------------------------------------------------------------------------------------- the default run
