@@ -134,22 +134,24 @@ def run_block(clone: Path, page: str, steps, log: Path) -> list[tuple[int, float
     # the block is in a session of its own (so that one kill stops what its lines left running): a SIGTERM or SIGHUP
     # to this process (CI's trap, a runner's timeout) raises here, so that the kill below runs and pytest stops
     handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    with open(log, "ab") as out:
-        start = out.tell()
-        proc = subprocess.Popen(["bash", "-c", script(steps)], cwd=clone, env=user_env(), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
+    proc = None
+    try:
+        with open(log, "ab") as out:
+            start = out.tell()
+            proc = subprocess.Popen(["bash", "-c", script(steps)], cwd=clone, env=user_env(), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             rc = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # what a line left running (`&`), or the block that timed out
             except ProcessLookupError:
                 pass
             proc.wait()
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     output = log.read_bytes()[start:].decode(errors="replace")
     # a mark may follow a line's last output on the same line (a progress bar ends without a newline)
     marks = [(int(n), kind, rest.split()) for n, kind, rest in re.findall(rf"{MARK} (\d+) (\w+) (.*)$", output, re.M)]
