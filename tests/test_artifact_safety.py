@@ -702,6 +702,12 @@ def test_remote_code_hands_its_patch_to_the_installed_release_and_its_copy_refus
                                              rf"folder saved with hf_tangent {re.escape(release)} .*which has no {name} \(.*this one is 0\.0\.1\); "
                                              "load the folder with hf_tangent.from_pretrained, or upgrade"):
             call()
+    # its inner model holds the copy's patched layers: refused too (disabled(copied.model) did nothing, silently,
+    # and unpatch(copied.model) gave it a config of its own, the output still patched)
+    for call in (ht.unpatch, lambda m: ht.disabled(m).__enter__(), lambda m: ht.patch(m, ht.TangentConfig())):
+        with pytest.raises(ValueError, match="holds patched layers, but the patch belongs to the module that was patched"):
+            call(copied.model)
+    assert copied.config is copied.model.config
     assert torch.equal(logits(copied), logits(model))
     # ht.save_pretrained is hf_tangent's staged save on it too (it wrote transformers' save over a user's folder)
     for target in (user_folder(tmp_path / "notes"), Path(tiny_lm_folder)):

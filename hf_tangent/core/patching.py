@@ -26,6 +26,7 @@ from .gather import sharding_engine
 from .install import (
     _DISABLED_ATTR,
     _MODEL_ATTR,
+    CHILD_NAME,
     CONFIG_KEY,
     _apply,
     _patched_layers,
@@ -41,8 +42,9 @@ from .wrappers import unwrap
 
 def _refuse_layers_of_another(base, function: str) -> None:
     """A module that holds patched layers without their patch (`model.model` of a patched model, the model around a
-    patched `model.model`, a wrapper that unwrap does not know): the patch is the patched module's."""
-    if _MODEL_ATTR not in vars(base) and _patched_layers(base):
+    patched `model.model`, a wrapper that unwrap does not know): the patch is the patched module's. Any copy's
+    patched layers count (a folder's remote code may have patched the model: its TangentLayer is another class)."""
+    if _MODEL_ATTR not in vars(base) and any(CHILD_NAME in module._modules for module in base.modules()):
         raise ValueError(f"hf_tangent.{function}: this {type(base).__name__} holds patched layers, but the patch belongs "
                          "to the module that was patched (the one passed to hf_tangent.patch, which holds this one or "
                          f"is inside it: through torch.compile its `_orig_mod`, through PEFT `get_base_model()`); pass "
