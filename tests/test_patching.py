@@ -458,7 +458,7 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("the probe ran")
 
-    monkeypatch.setitem(install._PACKAGE, "require_verified", no_probe)
+    monkeypatch.setattr(ht.core.discovery, "require_verified", no_probe)
     model = install.patch_saved(make_tiny("llama"), config)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)

@@ -20,8 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core.discovery import architecture
-from ..core.registry import first_output
+from ..core.discovery import architecture, first_output
 from .evaluation import forward_windows
 
 EPS = 1e-6

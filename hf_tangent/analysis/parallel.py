@@ -19,9 +19,8 @@ import time
 import torch
 
 from ..core.config import TangentConfig
-from ..core.discovery import architecture
+from ..core.discovery import architecture, ffn_branch, first_output
 from ..core.patching import get_config, patch, tangent_layers, unpatch
-from ..core.registry import first_output
 from .diagnostics import RunningStat
 from .evaluation import forward_windows, perplexity
 
@@ -45,7 +44,7 @@ def sensitivity(model, windows: torch.Tensor, *, batch_size: int = 1, progress=N
         if i in parallel:
             continue
         seen = {}
-        ffn_out, phi = spec.submodule(layer, "ffn_out"), spec.ffn_branch(layer)
+        ffn_out, phi = spec.submodule(layer, "ffn_out"), ffn_branch(spec, layer)
 
         def on_input(module, args, kwargs, seen=seen):
             if not state["busy"]:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 from ..core import install
 from ..core.destinations import REMOTE_GENERATED_FILES, SHIPPED_CORE_MODULES, check_destination, replacing
-from ..core.gather import full_state_dict
+from ..core.gather import full_state_dict, model_class
 from ..core.install import CONFIG_KEY
 from ..core.patching import get_config
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_PREFIX, base_model_type
-from ..core.wrappers import model_class, unwrap
+from ..core.wrappers import unwrap
 from .checkpoints import OFFLINE_MODELS
 from .offline import needs_hub
 from .serialization import save_pretrained

@@ -40,11 +40,11 @@ from ..core.destinations import (
     replacing,
 )
 from ..core.discovery import decoder_layers
-from ..core.gather import sharding_engine
+from ..core.gather import peft_model_of, sharding_engine
 from ..core.install import CONFIG_KEY, PATCHED_BASE_NAME
 from ..core.patching import get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
-from ..core.wrappers import peft_model_of, unwrap
+from ..core.wrappers import unwrap
 from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import is_hub_id, save_hub_folder, upload

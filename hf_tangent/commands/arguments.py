@@ -26,7 +26,7 @@ from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..core.destinations import DestinationError
 from ..core.options import ChoiceError, OptionTypeError
 from ..experiments.runs import claim_run_folder, in_run_folder
-from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of
+from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of, shown
 from ..training import data
 from ..training.data import TextSource
 
@@ -361,6 +361,13 @@ def apply_recipe(parser: argparse.ArgumentParser, recipe: str, command: str) -> 
             action.recipe = parser.applied_recipe
 
 
+def _as_option(err: RangeError) -> str:
+    """A RangeError in command-line words: `--seq-len 1 is out of range; accepted: ...`."""
+    word = lambda v: shown(v) if isinstance(v, int) else str(v)  # noqa: E731  (10**400 by its size)
+    value = " ".join(map(word, err.value)) or "[]" if isinstance(err.value, (list, tuple)) else word(err.value)
+    return f"--{err.name.replace('_', '-')} {value} {err.problem}; accepted: {err.accepted}."
+
+
 def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
     """The parser's dataclass instances from a parsed namespace (what HfArgumentParser builds)."""
     out = []
@@ -369,7 +376,7 @@ def dataclasses_of(parser, namespace: argparse.Namespace) -> tuple:
         try:
             out.append(kind(**{k: v for k, v in vars(namespace).items() if k in names}))
         except RangeError as err:
-            raise CommandError(err.as_option()) from None
+            raise CommandError(_as_option(err)) from None
         except (TypeError, ValueError) as err:
             raise CommandError(str(err)) from None
     return tuple(out)

@@ -9,7 +9,7 @@ shipped modules run without them."""
 
 from . import destinations, discovery, fused_parallel, install, layer
 
-install.register_package(resolve_spec=discovery.resolve_spec, require_verified=discovery.require_verified,
+install.register_package(checked_spec=discovery.checked_spec, verify=discovery.verify_patch,
                           atomic_save=destinations.AtomicSave)
 
 

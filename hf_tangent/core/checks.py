@@ -82,11 +82,6 @@ class RangeError(ValueError):
         self.name, self.value, self.accepted = name, value, accepted
         super().__init__(f"{name}={shown(value)} {self.problem}; accepted: {accepted}.")
 
-    def as_option(self) -> str:
-        """The same error in command-line words: `--seq-len 1 is out of range; accepted: ...`."""
-        word = lambda v: shown(v) if isinstance(v, int) else str(v)  # noqa: E731  (10**400 by its size)
-        value = " ".join(map(word, self.value)) or "[]" if isinstance(self.value, (list, tuple)) else word(self.value)
-        return f"--{self.name.replace('_', '-')} {value} {self.problem}; accepted: {self.accepted}."
 
 
 class OptionTypeError(RangeError, TypeError):

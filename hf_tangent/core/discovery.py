@@ -24,7 +24,7 @@ import re
 import torch
 from torch import nn
 
-from .patching import disabled, require_model
+from .patching import _refuse_inside_disabled, disabled, require_model
 from .registry import _DISCOVERED, _REGISTRY, CONFIG_KEY, ArchitectureSpec, base_model_type, get_registered
 
 _VERIFIED: dict = {}  # (model class, spec, config) -> Verification
@@ -446,6 +446,71 @@ def discover(model) -> ArchitectureSpec:
 def resolve_spec(model) -> ArchitectureSpec:
     """The registry's entry, else a spec discovered (or saved) earlier for this class, else discovery."""
     return get_registered(model) or discover(model)
+
+
+def checked_spec(model) -> ArchitectureSpec:
+    """install._check_model's checks of a model a user hands to `patch` (a folder's remote code patches only the
+    model its own `__init__` built): a transformers model, outside `disabled`, whose layers are its own."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hf_tangent.patch expects a transformers model (nn.Module), got {type(model).__name__}.")
+    _refuse_inside_disabled(model, "patch")
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        raise ValueError(f"hf_tangent: {type(model).__name__} has no config.model_type; pass a transformers model.")
+    spec = resolve_spec(model)
+    first = {}
+    for i, layer in enumerate(spec.decoder_layers(model)):
+        if id(layer) in first:
+            raise ValueError(f"hf_tangent: layers {first[id(layer)]} and {i} are one module object (shared weights); "
+                             "a patch is per layer, so hf_tangent refuses models that reuse a layer.")
+        first[id(layer)] = i
+        if _has_foreign_forward(layer):
+            raise ValueError(
+                f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
+                "by another patching tool; hf_tangent only patches unmodified layers."
+            )
+    return spec
+
+
+def _has_foreign_forward(layer: nn.Module) -> bool:
+    """True when an instance-level `forward` is not the layer class's own forward (or a wrapper of
+    it, as transformers' output recording installs): another tool replaced the computation."""
+    fn = vars(layer).get("forward")
+    own = type(layer).forward
+    while fn is not None:
+        fn = getattr(fn, "__func__", fn)
+        if fn is own:
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return "forward" in vars(layer)
+
+
+def verify_patch(model, spec: ArchitectureSpec, layers, config, updated: set, parallel: set) -> Verification | None:
+    """The numeric check of where the update lands (install._patch); None on a meta-device model built from a
+    saved patch (from_pretrained), which was verified when it was saved."""
+    if any(p.is_meta for p in model.parameters()):
+        if spec.source == "registry" or getattr(model.config, CONFIG_KEY, None):
+            return None
+        raise ValueError("hf_tangent: this model's weights are on the meta device, so its architecture cannot be "
+                         "discovered and verified; load the weights first.")
+    attention = parallel | (updated if "attention" in config.branches and config.update != "add" else set())
+    return require_verified(model, spec, layers, needs_attention=sorted(attention))
+
+
+def ffn_branch(spec: ArchitectureSpec, layer: nn.Module):
+    """Phi as a function of the residual x: ffn_out(mlp(ffn_norm(x))), without the residual
+    multiplier (scale); what the layer adds when its FFN reads x."""
+    ffn_norm, mlp, ffn_out = (spec.submodule(layer, r) for r in ("ffn_norm", "mlp", "ffn_out"))
+
+    def phi(x):
+        out = mlp(ffn_norm(x))
+        return out if ffn_out is mlp else first_output(ffn_out(out))
+
+    return phi
+
+
+def first_output(output):
+    """A module's output tensor (the first element when it returns a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def architecture(model) -> tuple[ArchitectureSpec, nn.ModuleList]:

@@ -1,6 +1,7 @@
-"""Whole values of a sharded model's parameters, through the engine's own gathering API: FSDP1
-`summon_full_params`, FSDP2 `DTensor.full_tensor`, ZeRO-3 `GatheredParameters`. Those are collectives:
-every rank calls them. (Not shipped in a saved folder: a patched forward never gathers.)"""
+"""What the package reads through wrappers and sharding engines: the PEFT model and the transformers class
+inside them, and whole values of a sharded model's parameters through the engine's own gathering API (FSDP1
+`summon_full_params`, FSDP2 `DTensor.full_tensor`, ZeRO-3 `GatheredParameters`: collectives, every rank calls
+them). Not shipped in a saved folder: a patched forward never gathers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,38 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from .wrappers import _fsdp1_class, _fsdp2_class, unwrap
+from .wrappers import _fsdp1_class, _is_deepspeed_engine, _is_peft, unwrap
+
+
+def _fsdp2_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
+def peft_model_of(model):
+    """The PEFT model inside DDP / FSDP1 / DeepSpeed wrappers (or `model` itself), None without PEFT."""
+    fsdp1 = _fsdp1_class()
+    for _ in range(8):
+        if _is_peft(model):
+            return model
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or _is_deepspeed_engine(model) \
+                or (fsdp1 is not None and isinstance(model, fsdp1)):
+            model = model.module
+        else:
+            return None
+    return None
+
+
+def model_class(model) -> type:
+    """The transformers class of a (possibly wrapped or FSDP2-sharded) model (under FSDP2's in-place subclass:
+    FSDPLlamaForCausalLM -> LlamaForCausalLM)."""
+    model, fsdp2 = unwrap(model), _fsdp2_class()
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return next(c for c in type(model).__mro__[1:] if c is not fsdp2 and not issubclass(c, fsdp2))
+    return type(model)
 
 
 def sharding_engine(model: nn.Module) -> str | None:

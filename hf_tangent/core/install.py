@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import sys
 import warnings
-from typing import Literal
 
 from torch import nn
 
@@ -39,17 +38,16 @@ from .registry import (
     base_model_type,
     get_registered,
 )
-from .wrappers import model_class, unwrap
+from .wrappers import unwrap
 
 CHILD_NAME = "tangent_patch"
 _MODEL_ATTR = "_hf_tangent_config"
 _OWN_CONFIG_ATTR = "_hf_tangent_own_config"  # the model's private transformers config
-_DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: patch / unpatch refuse there
 
 # What the installed package adds (hf_tangent/core/__init__.py registers it). A saved folder's remote code ships
-# neither discovery.py nor destinations.py: it patches from the spec its record saved (verified when it was
-# saved), and its model saves the way transformers saves.
-_PACKAGE = {"resolve_spec": None, "require_verified": None, "atomic_save": None, "saving_config_class": None}
+# neither discovery.py nor destinations.py: it patches a model its own `__init__` just built, from the spec its
+# record saved (verified when it was saved), and its model saves the way transformers saves.
+_PACKAGE = {"checked_spec": None, "verify": None, "atomic_save": None, "saving_config_class": None}
 
 
 def register_package(**package) -> None:
@@ -60,8 +58,6 @@ def register_package(**package) -> None:
 
 
 def _resolve_spec(model) -> ArchitectureSpec:
-    if _PACKAGE["resolve_spec"] is not None:
-        return _PACKAGE["resolve_spec"](model)
     spec = get_registered(model)
     if spec is None:
         raise ValueError(f"hf_tangent: {type(model).__name__} has no registry entry and no saved spec; its architecture "
@@ -70,67 +66,15 @@ def _resolve_spec(model) -> ArchitectureSpec:
     return spec
 
 
-# ----------------------------------------------------------------------------- checks
-def _refuse_inside_disabled(base, function: str) -> None:
-    if vars(base).get(_DISABLED_ATTR):
-        raise ValueError(f"hf_tangent.{function}: the model is inside `with hf_tangent.disabled(model):`, which puts its "
-                         f"patch back when the block ends, so this change would be undone silently; call "
-                         f"hf_tangent.{function} after the block.")
-
-
 def _check_model(model) -> tuple[ArchitectureSpec, nn.ModuleList]:
-    """Everything that can be wrong with the model, checked before anything is changed (a model compiled or
-    wrapped already: patching.patch; a folder's remote code patches a model its own `__init__` just built)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"hf_tangent.patch expects a transformers model (nn.Module), got {type(model).__name__}.")
-    _refuse_inside_disabled(model, "patch")
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type is None:
-        raise ValueError(f"hf_tangent: {type(model).__name__} has no config.model_type; pass a transformers model.")
-    spec = _resolve_spec(model)
+    """Everything that can be wrong with the model, checked before anything is changed (the package checks a
+    user's model first, discovery.checked_spec; a folder's remote code patches a model its own `__init__` built)."""
+    spec = (_PACKAGE["checked_spec"] or _resolve_spec)(model)
     layers = spec.decoder_layers(model)
-    first = {}
-    for i, layer in enumerate(layers):
-        if id(layer) in first:
-            raise ValueError(f"hf_tangent: layers {first[id(layer)]} and {i} are one module object (shared weights); "
-                             "a patch is per layer, so hf_tangent refuses models that reuse a layer.")
-        first[id(layer)] = i
-        if _has_foreign_forward(layer):
-            raise ValueError(
-                f"hf_tangent: layer {i} ({type(layer).__name__}) has its forward replaced on the instance, "
-                "by another patching tool; hf_tangent only patches unmodified layers."
-            )
+    for layer in layers:
         for role in ("ffn_norm", "ffn_out"):
             spec.submodule(layer, role)
     return spec, layers
-
-
-def _verify(model, spec: ArchitectureSpec, layers, config: TangentConfig, updated: set, parallel: set):
-    """The numeric check of where the update lands (discovery.py); None on a meta-device model built
-    from a saved patch (remote code inside from_pretrained), which was verified when it was saved."""
-    if _PACKAGE["require_verified"] is None:  # remote code: the saved spec was verified when it was saved
-        return None
-    if any(p.is_meta for p in model.parameters()):
-        if spec.source == "registry" or getattr(model.config, CONFIG_KEY, None):
-            return None
-        raise ValueError("hf_tangent: this model's weights are on the meta device, so its architecture cannot be "
-                         "discovered and verified; load the weights first.")
-    attention = parallel | (updated if "attention" in config.branches and config.update != "add" else set())
-    return _PACKAGE["require_verified"](model, spec, layers, needs_attention=sorted(attention))
-
-
-def _has_foreign_forward(layer: nn.Module) -> bool:
-    """True when an instance-level `forward` is not the layer class's own forward (or a wrapper of
-    it, as transformers' output recording installs): another tool replaced the computation."""
-    fn = vars(layer).get("forward")
-    own = type(layer).forward
-    while fn is not None:
-        fn = getattr(fn, "__func__", fn)
-        if fn is own:
-            return False
-        fn = getattr(fn, "__wrapped__", None)
-    return "forward" in vars(layer)
 
 
 def _patched_layers(model) -> list[tuple[nn.Module, TangentLayer]]:
@@ -314,7 +258,7 @@ def _patch(model, config: TangentConfig, *, verify: bool):
             stacklevel=2,
         )
         parallel -= set(already)
-    verification = _verify(model, spec, layers, config, updated, parallel) if verify else None
+    verification = _PACKAGE["verify"](model, spec, layers, config, updated, parallel) if verify else None
     children = []
     for i in sorted(updated | parallel):
         child = TangentLayer(config, i, update=i in updated, parallel=i in parallel)
@@ -322,7 +266,7 @@ def _patch(model, config: TangentConfig, *, verify: bool):
         children.append((layers[i], child))
     record = {"config": config.to_dict(), "model_type": base_model_type(model.config), "num_layers": num_layers,
               "patched_layers": sorted(updated), "parallel_layers": sorted(parallel), "architecture": spec.to_dict(),
-              "base_architecture": model_class(model).__name__.removeprefix(PATCHED_CLASS_PREFIX)}
+              "base_architecture": type(model).__name__.removeprefix(PATCHED_CLASS_PREFIX)}  # (not wrapped: patching.patch)
     _commit(model, _PatchState(children, config, record))
     return model
 
@@ -342,7 +286,6 @@ def _commit(model, new: _PatchState) -> None:
 
 
 HOMOTOPY_SCHEDULES = ("linear", "cosine")
-HomotopySchedule = Literal[HOMOTOPY_SCHEDULES]
 _UNIT = Range(0, 1)
 # set_homotopy's options (and a saved record's homotopy): name -> its check (core/checks.py)
 HOMOTOPY_OPTIONS = {"lambda": lambda value: number("lambda", value, _UNIT),
@@ -353,7 +296,6 @@ HOMOTOPY_OPTIONS = {"lambda": lambda value: number("lambda", value, _UNIT),
 def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None = None):
     """patching.set_homotopy on the unwrapped model (the saved record's homotopy, applied by the remote code)."""
     base = unwrap(model)
-    _refuse_inside_disabled(base, "set_homotopy")
     config, record = vars(base).get(_MODEL_ATTR), getattr(base.config, CONFIG_KEY, None)
     if config is None or record is None:
         raise ValueError("hf_tangent.set_homotopy: the model is not patched; use hf_tangent.patch(model, config).")

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import gc
 import sys
+from typing import Literal
 
 import torch
 from torch import nn
@@ -24,20 +25,27 @@ from . import _version, install
 from .config import TangentConfig
 from .gather import sharding_engine
 from .install import (
-    _DISABLED_ATTR,
     _MODEL_ATTR,
     CHILD_NAME,
     CONFIG_KEY,
     _apply,
     _patched_layers,
     _refuse_fused_blend,
-    _refuse_inside_disabled,
     _remove,
-    _resolve_spec,
     _snapshot,
 )
 from .layer import TangentLayer
 from .wrappers import unwrap
+
+_DISABLED_ATTR = "_hf_tangent_disabled"  # True inside `with disabled(model)`: patch / unpatch refuse there
+HomotopySchedule = Literal[install.HOMOTOPY_SCHEDULES]
+
+
+def _refuse_inside_disabled(base, function: str) -> None:
+    if vars(base).get(_DISABLED_ATTR):
+        raise ValueError(f"hf_tangent.{function}: the model is inside `with hf_tangent.disabled(model):`, which puts its "
+                         f"patch back when the block ends, so this change would be undone silently; call "
+                         f"hf_tangent.{function} after the block.")
 
 
 def _refuse_layers_of_another(base, function: str) -> None:
@@ -216,9 +224,9 @@ def update_config(model, **changes):
     if unknown:
         raise ValueError(f"hf_tangent.update_config: unknown TangentConfig fields {unknown}.")
     new = dataclasses.replace(current, **changes)
-    homotopy = getattr(base.config, CONFIG_KEY, {}).get("homotopy")
+    record = getattr(base.config, CONFIG_KEY, {})
+    homotopy, layers = record.get("homotopy"), record.get("num_layers")
     if homotopy is not None and isinstance(get_homotopy(base), dict):  # per layer: the layers must stay the same
-        layers = len(architecture_layers(base))
         before = sorted(set(current.resolve_layers(layers)) | set(current.resolve_parallel_layers(layers)))
         after = sorted(set(new.resolve_layers(layers)) | set(new.resolve_parallel_layers(layers)))
         if before != after:
@@ -227,7 +235,7 @@ def update_config(model, **changes):
                              "Set one lambda with hf_tangent.set_homotopy(model, value) first, or keep the layers.")
     lambdas = get_homotopy(base)
     if homotopy is not None:  # refused here, before the model changes
-        parallel = new.resolve_parallel_layers(len(architecture_layers(base)))
+        parallel = new.resolve_parallel_layers(layers)
         _refuse_fused_blend(new, parallel, lambdas if isinstance(lambdas, dict) else dict.fromkeys(parallel, lambdas),
                             "update_config")
     gates = {c.index: c.gate.detach().clone() for c in tangent_layers(base) if c.gate is not None}
@@ -239,10 +247,6 @@ def update_config(model, **changes):
     if homotopy is not None:
         set_homotopy(base, lambdas, schedule=homotopy.get("schedule"), steps=homotopy.get("steps"))
     return model
-
-
-def architecture_layers(base) -> nn.ModuleList:
-    return _resolve_spec(base).decoder_layers(base)
 
 
 @contextlib.contextmanager
@@ -323,6 +327,7 @@ def set_homotopy(model, value, *, schedule: str | None = None, steps: int | None
     base = require_model(model, "set_homotopy")
     if _owner(base) is not None:
         return _delegate(model, "set_homotopy", value, schedule=schedule, steps=steps)
+    _refuse_inside_disabled(base, "set_homotopy")
     install.set_homotopy(base, value, schedule=schedule, steps=steps)
     return model
 

@@ -100,17 +100,6 @@ class ArchitectureSpec:
             )
         return module
 
-    def ffn_branch(self, layer: nn.Module):
-        """Phi as a function of the residual x: ffn_out(mlp(ffn_norm(x))), without the residual
-        multiplier (scale); what the layer adds when its FFN reads x."""
-        ffn_norm, mlp, ffn_out = (self.submodule(layer, r) for r in ("ffn_norm", "mlp", "ffn_out"))
-
-        def phi(x):
-            out = mlp(ffn_norm(x))
-            return out if ffn_out is mlp else first_output(ffn_out(out))
-
-        return phi
-
     def is_parallel(self, layer: nn.Module) -> bool:
         return self.parallel or bool(self.parallel_attr and getattr(layer, self.parallel_attr, False))
 
@@ -123,11 +112,6 @@ class ArchitectureSpec:
             raise ValueError(f"hf_tangent: {type(layer).__name__}.{self.residual_scale} = {value!r} is not a "
                              f"non-zero number, as the '{self.model_type}' spec's residual_scale must be.")
         return float(value)
-
-
-def first_output(output):
-    """A module's output tensor (the first element when it returns a tuple)."""
-    return output[0] if isinstance(output, tuple) else output
 
 
 def _alternatives(path: str, layer: nn.Module) -> list[str]:

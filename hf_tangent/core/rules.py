@@ -104,11 +104,6 @@ def retract(x: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
     return torch.where(r > 0, delta, torch.zeros_like(delta))
 
 
-def orthogonality_error(x: torch.Tensor, y_used: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """|<x, y_used>| / (||x|| ||y_used|| + eps), (..., 1): ~0 for a tangential update."""
-    return dot(x, y_used).abs() / (_norm(x) * _norm(y_used) + eps)
-
-
 def used_update(x: torch.Tensor, y: torch.Tensor, update: str, *, beta: float = 1.0, eps=1e-6) -> torch.Tensor:
     """y_used of math.md section 1 (Euclidean rules); 'retract' uses the tangent part P_u y."""
     if update == "add":

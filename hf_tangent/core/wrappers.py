@@ -1,5 +1,6 @@
-"""What a model may be wrapped in (PEFT, DDP, FSDP1, FSDP2, DeepSpeed) and how to reach the transformers
-model inside, where the patch lives (reading whole values through a sharding engine: gather.py)."""
+"""What a model may be wrapped in (PEFT, DDP, FSDP1, DeepSpeed; FSDP2 shards in place) and how to reach the
+transformers model inside, where the patch lives (the rest of what the package reads through wrappers and
+sharding engines: gather.py)."""
 
 from __future__ import annotations
 
@@ -22,28 +23,6 @@ def _fsdp1_class():
     return FullyShardedDataParallel
 
 
-def _fsdp2_class():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return None
-    return FSDPModule
-
-
-def peft_model_of(model):
-    """The PEFT model inside DDP / FSDP1 / DeepSpeed wrappers (or `model` itself), None without PEFT."""
-    fsdp1 = _fsdp1_class()
-    for _ in range(8):
-        if _is_peft(model):
-            return model
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or _is_deepspeed_engine(model) \
-                or (fsdp1 is not None and isinstance(model, fsdp1)):
-            model = model.module
-        else:
-            return None
-    return None
-
-
 def unwrap(model):
     """The transformers model inside PEFT, DataParallel/DDP, an FSDP1 root and a DeepSpeed engine
     (FSDP2 shards in place: the model is its own wrapper)."""
@@ -58,17 +37,3 @@ def unwrap(model):
         else:
             return model
     return model
-
-
-def _fsdp2_class_of(model):
-    """The transformers class under FSDP2's in-place subclass (FSDPLlamaForCausalLM -> LlamaForCausalLM)."""
-    fsdp2 = _fsdp2_class()
-    cls = type(model)
-    if fsdp2 is not None and isinstance(model, fsdp2):
-        cls = next(c for c in cls.__mro__[1:] if c is not fsdp2 and not issubclass(c, fsdp2))
-    return cls
-
-
-def model_class(model) -> type:
-    """The transformers class of a (possibly wrapped or FSDP2-sharded) model."""
-    return _fsdp2_class_of(unwrap(model))

@@ -7,8 +7,8 @@ import os
 
 from ..analysis.evaluation import evaluate_variants, perplexity, update_variants
 from ..artifacts.identity import scored_weights
+from ..core.gather import peft_model_of
 from ..core.patching import get_config, without_patch
-from ..core.wrappers import peft_model_of
 from ..ranges import DType, validated
 from ..training.data import TextSource
 from . import plots

@@ -16,8 +16,8 @@ from ..artifacts.hub import save_hub_folder
 from ..artifacts.identity import scored_weights
 from ..artifacts.patch_repo import patch_record, write_patch_repo
 from ..core.destinations import check_destination
+from ..core.gather import peft_model_of
 from ..core.patching import patch
-from ..core.wrappers import peft_model_of
 from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
 from ..training.trainer import TangentTrainingArguments, lm_dataset, loss_curve, train, training_summary

@@ -19,9 +19,10 @@ from ..artifacts.patch_repo import patch_record, write_patch_repo
 from ..core.config import TangentConfig
 from ..core.destinations import check_destination
 from ..core.discovery import decoder_layers
-from ..core.install import CONFIG_KEY, HomotopySchedule
-from ..core.patching import get_homotopy, patch, tangent_layers
-from ..core.wrappers import peft_model_of, unwrap
+from ..core.gather import peft_model_of
+from ..core.install import CONFIG_KEY
+from ..core.patching import HomotopySchedule, get_homotopy, patch, tangent_layers
+from ..core.wrappers import unwrap
 from ..ranges import DType, Range, at_least, check_ranges, validated
 from ..training.data import TextSource
 from ..training.healing import TEMPERATURE, HomotopyCallback, heal_trainer_class, held_out_kl

@@ -17,9 +17,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..analysis.evaluation import eval_mode
-from ..core.install import HomotopySchedule
-from ..core.patching import disabled, set_homotopy, tangent_layers
-from ..core.wrappers import peft_model_of
+from ..core.gather import peft_model_of
+from ..core.patching import HomotopySchedule, disabled, set_homotopy, tangent_layers
 from ..ranges import Range, at_least, check_values, validated
 
 # Distillation temperatures: > 0, and at most 100 (Hinton et al. use up to 20): the loss is scaled by T^2 and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...core.discovery import architecture
+from ...core.discovery import architecture, ffn_branch
 from .sphere import EPS, batched_jacobian, effective_rank, project, tangent_basis, unit
 
 
@@ -45,7 +45,7 @@ class FfnProbe:
     def __init__(self, model, index: int):
         spec, decoder = architecture(model)
         layer = decoder[index]
-        self.index, self.branch, self.scale = index, spec.ffn_branch(layer), spec.scale(layer)
+        self.index, self.branch, self.scale = index, ffn_branch(spec, layer), spec.scale(layer)
         self.norm, self.mlp = spec.submodule(layer, "ffn_norm"), spec.submodule(layer, "mlp")
         self.dtype = next(model.parameters()).dtype
         self.activation = _activation(self.mlp)

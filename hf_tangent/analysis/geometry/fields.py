@@ -11,9 +11,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from ...core.discovery import architecture
+from ...core.discovery import architecture, ffn_branch, first_output
 from ...core.patching import get_config
-from ...core.registry import first_output
 from .sphere import unit
 
 FIELDS = ("attention", "ffn", "full")  # the reduced fields of a layer (critical.py)
@@ -39,7 +38,7 @@ class LayerFields:
         if self.layer is not decoder[index]:  # the captured arguments (rotary cos/sin, masks) follow the copy
             self._args, self._kwargs = tree_map(self._cast, self._args), tree_map(self._cast, self._kwargs)
         self.attention_out = self.spec.submodule(self.layer, "attention_out")
-        self.ffn_branch = self.spec.ffn_branch(self.layer)
+        self.ffn_branch = ffn_branch(self.spec, self.layer)
         self.scale = self.spec.scale(self.layer)
 
     def _cast(self, value):
