@@ -38,7 +38,7 @@ _register_peft_method()  # PEFT takes TangentPeftConfig from here on (artifacts/
 # The Python API of every recipe (hf_tangent.experiments), loaded lazily: it imports the Trainer.
 _LAZY = {"evaluate_rules": "experiments", "calibrate_gates": "experiments", "finetune": "experiments",
          "ablate": "experiments", "diagnose_layers": "experiments", "layer_sensitivity": "experiments",
-         "parallel_sweep": "experiments", "run_study": "studies", "Report": "reports",
+         "parallel_sweep": "experiments", "Report": "reports",
          "TangentTrainingArguments": "training", "gate_values": "training", "heal": "experiments",
          "HealSettings": "experiments", "LoraSettings": "experiments", "HomotopyCallback": "healing", "critical": "experiments",
          "pressure": "experiments", "ffn_jacobian": "experiments", "lm_eval": "experiments",
@@ -51,8 +51,6 @@ def __getattr__(name: str):
     if name in _LAZY:
         if _LAZY[name] == "experiments":
             from . import experiments as module
-        elif _LAZY[name] == "studies":
-            from .experiments import studies as module
         elif _LAZY[name] == "reports":
             from .experiments import report as module
         elif _LAZY[name] == "downstream":

@@ -23,8 +23,6 @@ from .commands import (
     parallel_sweep,
     pressure,
     sensitivity,
-    study,
-    study_report,
 )
 from .commands import eval as eval_
 from .commands.arguments import CommandError, apply_recipe, smoke_sizes
@@ -45,20 +43,21 @@ end in one `hf-tangent <command>: error: ...` line and exit code 2."""
 
 COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finetune.finetune_command_parser,
             diagnose.diagnose_command_parser, ablate.ablate_command_parser, sensitivity.sensitivity_command_parser,
-            parallel_sweep.parallel_sweep_command_parser, study.study_command_parser,
-            study_report.study_report_command_parser, heal.heal_command_parser,
+            parallel_sweep.parallel_sweep_command_parser, heal.heal_command_parser,
             critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser,
             export.export_command_parser, lm_eval.lm_eval_command_parser,
             lm_eval_merge.lm_eval_merge_command_parser)
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="hf-tangent", description=DESCRIPTION,
+def build_parser(commands=COMMANDS, prog: str = "hf-tangent", description: str = DESCRIPTION
+                 ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser of `commands` (this one's, or the checkout's studies/: `python -m studies`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hf_tangent {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)
     return parser, {command.__name__.removesuffix("_command_parser").replace("_", "-"): command(subparsers)
-                    for command in COMMANDS}
+                    for command in commands}
 
 
 def one_line(err: Exception) -> str:
@@ -74,9 +73,9 @@ def _recipe_of(argv: list[str]) -> str | None:
     return None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The parsed command line, the recipe's values (if any) under the options given."""
-    parser, subparsers = build_parser()
+def parse_args(argv=None, **parser) -> argparse.Namespace:
+    """The parsed command line, the recipe's values (if any) under the options given (`parser`: build_parser's)."""
+    parser, subparsers = build_parser(**parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((token for token in argv if not token.startswith("-")), None)
     recipe = _recipe_of(argv)
@@ -97,12 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, **parser) -> int:
+    args = parse_args(argv, **parser)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"hf-tangent {args.command}: error: {one_line(err)}", file=sys.stderr)
+        print(f"{parser.get('prog', 'hf-tangent')} {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 

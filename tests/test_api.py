@@ -93,13 +93,6 @@ def test_parallel_sweep_api(tiny, text):
     assert report["speed"] is None and list(report["recommendations"]) == ["low_c"]
 
 
-def test_run_study_api(tmp_path):
-    report = ht.run_study("tangential", "smoke", variants=["projected"], seeds=[0], output_dir=str(tmp_path),
-                          overrides={"max_steps": 2, "eval_every": 2})
-    assert report.kind == "study" and [r["variant"] for r in report["runs"]] == ["unpatched", "projected"]
-    assert "**Verdict.**" in report.to_markdown()
-
-
 def test_every_public_name_keeps_its_type_and_none_is_a_module_name():
     """`ht.heal` was the lazily loaded function on first access and the module hf_tangent/heal.py on every
     later one (importing the recipe set the submodule as the package attribute). In a fresh process:

@@ -282,10 +282,10 @@ def test_a_hidden_trainer_option_parses_from_the_command_line_and_a_recipe(tmp_p
 @pytest.mark.parametrize("command", _command_names())
 def test_help_names_docs_by_url_not_by_a_file_an_installed_package_lacks(command, capsys):
     """The help cited "math.md section 5": a wheel has no docs/. Every *.md it names is a URL of the repository's
-    docs, the report it writes, or (study-report) the page it writes."""
+    docs, or the report it writes."""
     argv = [] if command is None else [command]
     out = _help(argv, capsys)
     for name in re.findall(r"\S*\.md\S*", out):
         assert name.startswith("https://github.com/hf-tangent/hf_tangent/blob/main/docs/") or \
-            name.strip(",.;()") in ("report.md", "docs/studies.md"), name
+            name.strip(",.;()") == "report.md", name
     assert "math.md section" not in out

@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,7 +217,8 @@ def test_blocks_are_found_and_markers_are_well_formed():
 
 # ----------------------------------------------------------------------------- command lines
 def command_lines() -> list[tuple[str, int, list[str]]]:
-    """Every hf-tangent command line of a bash block: (page, line, argv after the program)."""
+    """Every hf-tangent command line of a bash block: (page, line, argv after the program; `python -m studies ...`,
+    the checkout's studies/, as ["studies", argv after it])."""
     found = []
     for page, line, body in blocks("bash"):
         for i, text in enumerate(body.replace("\\\n", " ").splitlines()):
@@ -229,6 +231,8 @@ def command_lines() -> list[tuple[str, int, list[str]]]:
                     tokens = tokens[:tokens.index(">")]
                 if tokens[:1] == ["hf-tangent"]:
                     found.append((page, line + 1 + i, tokens[1:]))
+                elif tokens[:3] == ["python", "-m", "studies"]:
+                    found.append((page, line + 1 + i, ["studies", *tokens[3:]]))
                 elif "hf_tangent.cli" in tokens:
                     found.append((page, line + 1 + i, tokens[tokens.index("hf_tangent.cli") + 1:]))
     return found
@@ -245,7 +249,13 @@ def test_command_line_parses(page, line, argv, monkeypatch):
     monkeypatch.chdir(ROOT)  # recipes/*.yaml paths are relative to the checkout, as in the docs
     monkeypatch.setenv("WORLD_SIZE", "1")
     try:
-        args = cli.parse_args(argv)
+        if argv[0] == "studies":
+            sys.path.insert(0, str(ROOT))
+            from studies import commands
+
+            args = cli.parse_args(argv[1:], commands=commands.COMMANDS)
+        else:
+            args = cli.parse_args(argv)
     except SystemExit as err:
         pytest.fail(f"{page}:{line}: `hf-tangent {' '.join(argv)}` does not parse (exit {err.code})")
     dataclasses_of(args.parser, args)  # the options' ranges, as the command checks them first
@@ -253,7 +263,7 @@ def test_command_line_parses(page, line, argv, monkeypatch):
 
 def test_every_command_line_is_found():
     assert len(COMMANDS) >= 20
-    assert {"calibrate", "finetune", "heal", "study", "lm-eval", "diagnose"} <= {argv[0] for _, _, argv in COMMANDS}
+    assert {"calibrate", "finetune", "heal", "studies", "lm-eval", "diagnose"} <= {argv[0] for _, _, argv in COMMANDS}
 
 
 @pytest.mark.slow

@@ -223,8 +223,6 @@ def test_a_signal_to_the_runner_stops_the_block_it_runs_and_the_run(tmp_path):
 INLINE_NOT_RUN = {
     ("docs/geometry.md", "hf-tangent ablate --layerwise"): "names the report that --ablation-report reads",
     ("docs/recipes.md", "hf-tangent eval --corpus mixed"): "names the option; the page's eval block runs it",
-    ("docs/studies.md", "hf-tangent study-report docs/results/studies/*/report.json --output docs/studies.md"):
-        "tests/test_studies.py runs it on the kept reports and compares the page",
 }
 FORM = re.compile(r"<[\w-]+>|\.\.\.|(?<![\w/.-])(FOLDER|REPO|PATCH|N|FILE|PATH)(?![\w/.=-])")  # placeholders
 

@@ -97,14 +97,6 @@ def test_heal_and_finetune_check_their_run_folders_before_any_work(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 3: no unannotated option
-def test_run_study_progress_is_type_checked():
-    with pytest.raises(OptionTypeError, match=r"progress=5 has the wrong type \(int\); accepted: a progress bar "
-                                              r"\(an object with update\(n\), like tqdm\), or None\."):
-        ht.run_study("noise", progress=5)
-    with pytest.raises(OptionTypeError, match=r"train_docs='abc' has the wrong type"):
-        ht.run_study("noise", train_docs="abc", val_docs=["x"])
-
-
 def test_an_annotation_that_does_not_resolve_fails_loudly():
     from hf_tangent.ranges import validated
 
@@ -117,21 +109,15 @@ def test_an_annotation_that_does_not_resolve_fails_loudly():
 
 
 # ----------------------------------------------------------------------------- 4: overrides
-@pytest.mark.parametrize("value, words", [([5], r"max_steps=\[5\] has the wrong type \(list\)"),
-                                          ([], r"max_steps=\[\] has the wrong type \(list\)"),
-                                          ("5", r"max_steps='5' has the wrong type \(str\)")])
-def test_overrides_take_a_number_of_the_keys_type(value, words):
-    with pytest.raises(OptionTypeError, match=words + r"; accepted: an integer >= 1\."):
-        ht.run_study("noise", overrides={"max_steps": value})
-
-
 # ----------------------------------------------------------------------------- 5, 6: the command line and recipes
 def _parse(argv):
     """(dataclasses, None) or (None, the error line) for a command line, without running the command."""
     err = io.StringIO()
     try:
-        with walk._one_parser(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            args = cli.parse_args(argv)
+        studies = argv[0] in walk.STUDY_COMMANDS  # the checkout's `python -m studies`
+        with contextlib.nullcontext() if studies else walk._one_parser(), contextlib.redirect_stderr(err), \
+                contextlib.redirect_stdout(io.StringIO()):
+            args = cli.parse_args(argv, commands=walk.study_commands.COMMANDS) if studies else cli.parse_args(argv)
             return dataclasses_of(args.parser, args), None
     except SystemExit:
         return None, err.getvalue().strip().splitlines()[-1]
@@ -207,7 +193,6 @@ def test_learning_rate_1e_3_in_a_recipe(tmp_path):
     (lambda: ht.heal(MISSING, ht.TangentConfig(update="projected"), seeds=[]), r"seeds=\[\] is empty; accepted: a "
      r"non-empty list of integers >= 0 and <= 4294967295\."),
     (lambda: ht.finetune(MISSING, seeds=[]), r"seeds=\[\] is empty"),
-    (lambda: ht.run_study("noise", seeds=[]), r"seeds=\[\] is empty; .*, or None\."),
     (lambda: ht.ablate(MISSING, variants=[]), r"variants=\[\] is empty; accepted: a non-empty list of strings\."),
     (lambda: ht.diagnose_layers(MISSING, layers=[]), r"layers=\[\] is empty"),
     (lambda: ht.parallel_sweep(MISSING, random_seeds=[]), r"random_seeds=\[\] is empty"),
@@ -272,8 +257,6 @@ def test_an_options_object_is_checked_again_when_received(tmp_path):
 
 # ----------------------------------------------------------------------------- the weaker ones
 def test_path_objects_are_accepted_where_a_path_is_meant(tmp_path):
-    with pytest.raises(ValueError, match="unknown scale"):  # accepted: past the options
-        ht.run_study("noise", "no-such-scale", output_dir=tmp_path / "study")
     with pytest.raises(Exception) as info:  # accepted: ends at loading the missing model
         ht.ffn_jacobian(MISSING, ablation_report=tmp_path / "report.json")
     assert not isinstance(info.value, RangeError)

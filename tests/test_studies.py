@@ -1,18 +1,22 @@
-"""Smoke runs of the three from-scratch studies, determinism, and bad input."""
+"""Smoke runs of the three from-scratch studies (the checkout's studies/, `python -m studies`), determinism, bad
+input, and the API's option checks."""
 
 import glob
 import json
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from hf_tangent import cli
-from hf_tangent.analysis import verdicts
-from hf_tangent.experiments import studies
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # studies/: a tool of the checkout, not shipped
+from hf_tangent.core.options import OptionTypeError, RangeError  # noqa: E402
+from studies import commands, verdicts  # noqa: E402
+from studies import study as study_module  # noqa: E402
+
+RECIPES = ROOT / "studies" / "recipes"
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +24,7 @@ def smoke(tmp_path_factory):
     out = {}
     for study, extra in (("tangential", []), ("retraction", ["--branches", "ffn", "attention"]), ("noise", [])):
         folder = tmp_path_factory.mktemp(study)
-        assert cli.main(["study", study, "--scale", "smoke", "--output-dir", str(folder), *extra]) == 0
+        assert commands.main(["study", study, "--scale", "smoke", "--output-dir", str(folder), *extra]) == 0
         out[study] = (json.loads((folder / "report.json").read_text()), folder)
     return out
 
@@ -28,7 +32,7 @@ def smoke(tmp_path_factory):
 @pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_every_variant_trains(smoke):
     for study, (report, folder) in smoke.items():
-        assert [s["variant"] for s in report["summary"]] == list(studies.STUDIES[study])
+        assert [s["variant"] for s in report["summary"]] == list(study_module.STUDIES[study])
         for run in report["runs"]:
             first, last = run["history"][0]["val_loss"], run["history"][-1]["val_loss"]
             assert last < first - 0.1, (study, run["variant"])
@@ -56,7 +60,7 @@ def test_the_patch_is_really_active(smoke):
 @pytest.mark.slow  # CI time: the three smoke studies (~60 s); test_study_recipe_budget_and_own_data trains one by default
 def test_same_seed_same_numbers(smoke, tmp_path):
     report, _ = smoke["noise"]
-    assert cli.main(["study", "noise", "--scale", "smoke", "--variants", "tangent gamma=0.03", "--seeds", "1",
+    assert commands.main(["study", "noise", "--scale", "smoke", "--variants", "tangent gamma=0.03", "--seeds", "1",
                      "--output-dir", str(tmp_path)]) == 0
     again = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())["runs"]}
     first = {r["variant"]: r for r in report["runs"] if r["seed"] == 1}
@@ -69,7 +73,7 @@ def test_same_seed_same_numbers(smoke, tmp_path):
 def test_study_report_page(smoke, tmp_path):
     page = tmp_path / "studies.md"
     reports = [str(folder / "report.json") for _, folder in smoke.values()]
-    assert cli.main(["study-report", *reports, "--output", str(page)]) == 0
+    assert commands.main(["study-report", *reports, "--output", str(page)]) == 0
     text = page.read_text()
     assert text.count("**Verdict.**") == 3 and "| retract p=inf |" in text
     for study in smoke:  # one overview row per report, its outcome one of the three words
@@ -83,7 +87,7 @@ def test_study_report_page(smoke, tmp_path):
     # the page regenerates from the copies kept next to it, to the same text
     again = tmp_path / "again.md"
     order = {json.loads(p.read_text())["study"]: p for p in kept}
-    assert cli.main(["study-report", *(str(order[s]) for s in smoke), "--output", str(again)]) == 0
+    assert commands.main(["study-report", *(str(order[s]) for s in smoke), "--output", str(again)]) == 0
     assert again.read_text().split("\n", 6)[6] == text.split("\n", 6)[6]
 
 
@@ -92,7 +96,7 @@ def test_study_recipe_budget_and_own_data(tmp_path):
     from hf_tangent.training.data import austen_files
 
     files = [str(f) for f in austen_files("evaluation")] + [str(f) for f in austen_files("calibration")][:1]
-    assert cli.main(["study", "--recipe", "study_retraction", "--scale", "smoke", "--variants", "retract p=2",
+    assert commands.main(["study", "--recipe", str(RECIPES / "study_retraction.yaml"), "--scale", "smoke", "--variants", "retract p=2",
                      "--seeds", "3", "--max-steps", "4", "--eval-every", "2", "--seq-len", "16",
                      "--text-files", *files, "--output-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -111,12 +115,12 @@ def test_study_recipe_budget_and_own_data(tmp_path):
 ])
 def test_bad_study_options(args, message, tmp_path, capsys):
     try:
-        code = cli.main([*args, "--output-dir", str(tmp_path)])
+        code = commands.main([*args, "--output-dir", str(tmp_path)])
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2
     err = capsys.readouterr().err
-    assert message in err and err.strip().splitlines()[-1].startswith("hf-tangent study: error: ")
+    assert message in err and err.strip().splitlines()[-1].startswith("python -m studies study: error: ")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -126,15 +130,18 @@ def test_bad_study_options(args, message, tmp_path, capsys):
     (["study", "noise", "--arch", "bert"], "unknown architecture 'bert'"),
 ])
 def test_bad_study_requests(args, message, tmp_path, capsys):
-    assert cli.main([*args, "--output-dir", str(tmp_path)]) == 2
+    assert commands.main([*args, "--output-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_study_recipes_name_their_study_and_the_command_line_wins():
-    for study in studies.STUDIES:
-        args = cli.parse_args(["study", "--recipe", f"study_{study}"])
+    from hf_tangent import cli
+
+    for study in study_module.STUDIES:
+        args = cli.parse_args(["study", "--recipe", str(RECIPES / f"study_{study}.yaml")], commands=commands.COMMANDS)
         assert (args.study, args.scale, args.output_dir) == (study, "cpu", f"runs/study-{study}")
-    args = cli.parse_args(["study", "noise", "--recipe", "study_tangential", "--branches", "ffn", "attention"])
+    args = cli.parse_args(["study", "noise", "--recipe", str(RECIPES / "study_tangential.yaml"), "--branches", "ffn",
+                           "attention"], commands=commands.COMMANDS)
     assert args.study == "noise" and args.branches == ["ffn", "attention"]
 
 
@@ -151,7 +158,7 @@ def _runs(losses: dict[str, list[float]]) -> list[dict]:
 ])
 def test_retraction_verdict_follows_the_paired_statistics(seeds, best, flip, outcome):
     noise = [0.01 * ((7 * s) % 5) for s in range(seeds)]  # seed-to-seed spread shared by the variants
-    losses = {v: [4.0 + 0.1 * i + n for n in noise] for i, v in enumerate(studies.STUDIES["retraction"])}
+    losses = {v: [4.0 + 0.1 * i + n for n in noise] for i, v in enumerate(study_module.STUDIES["retraction"])}
     losses[best] = [value - 1.0 for value in losses[best]]  # p=4: 4.3 - 1 vs euclidean 4.0, p=inf 4.5
     if flip:
         losses[best][0] += 2.0
@@ -174,8 +181,8 @@ def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
         part = dict(report, runs=runs, seeds=[seed], summary=summary, verdict=verdicts.verdict("noise", summary, runs))
         (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
         parts.append(str(tmp_path / f"seed{seed}.json"))
-    assert cli.main(["study-report", *parts, "--output", str(tmp_path / "merged.md")]) == 0
-    assert cli.main(["study-report", str(smoke["noise"][1] / "report.json"), "--output", str(tmp_path / "one.md")]) == 0
+    assert commands.main(["study-report", *parts, "--output", str(tmp_path / "merged.md")]) == 0
+    assert commands.main(["study-report", str(smoke["noise"][1] / "report.json"), "--output", str(tmp_path / "one.md")]) == 0
     merged, one = (tmp_path / "merged.md").read_text(), (tmp_path / "one.md").read_text()
     table = [line for line in merged.splitlines() if line.startswith("| none |") or line.startswith("| tangent")]
     assert table == [line for line in one.splitlines() if line.startswith("| none |") or line.startswith("| tangent")]
@@ -187,12 +194,12 @@ def test_reports_with_more_seeds_merge_on_the_page(smoke, tmp_path, capsys):
     assert json.dumps(kept["summary"]) == json.dumps(verdicts.summarize(kept["runs"], "none"))  # (nan != nan)
     assert kept["verdict"] == verdicts.verdict("noise", kept["summary"], kept["runs"])
     capsys.readouterr()
-    assert cli.main(["study-report", parts[0], parts[0], "--output", str(tmp_path / "x.md")]) == 2
+    assert commands.main(["study-report", parts[0], parts[0], "--output", str(tmp_path / "x.md")]) == 2
     assert "'none' seed 0 is in more than one report" in capsys.readouterr().err
     other = dict(report, settings=dict(report["settings"], max_steps=99))
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match=r"differ in \['settings'\]"):
-        studies.merge_reports([report, other])
+        study_module.merge_reports([report, other])
 
 
 def test_the_kept_studies_page_is_what_its_regenerate_command_writes(tmp_path, monkeypatch):
@@ -201,8 +208,58 @@ def test_the_kept_studies_page_is_what_its_regenerate_command_writes(tmp_path, m
     shutil.copytree(ROOT / "docs" / "results" / "studies", tmp_path / "docs" / "results" / "studies")
     monkeypatch.chdir(tmp_path)
     kept = (ROOT / "docs" / "studies.md").read_text(encoding="utf-8")
-    line = next(s for s in kept.splitlines() if s.startswith("`hf-tangent study-report "))
-    argv = shlex.split(line.strip("`.").removeprefix("hf-tangent "))
+    line = next(s for s in kept.splitlines() if s.startswith("`python -m studies study-report "))
+    argv = shlex.split(line.strip("`.").removeprefix("python -m studies "))
     argv = [a for pattern in argv for a in (sorted(glob.glob(pattern)) if "*" in pattern else [pattern])]
-    assert cli.main(argv) == 0
+    assert commands.main(argv) == 0
     assert (tmp_path / "docs" / "studies.md").read_text(encoding="utf-8") == kept
+
+
+def test_study_report_refuses_an_unreadable_report(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert commands.main(["study-report", str(tmp_path / "file"), "--output", str(tmp_path / "page.md")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m studies study-report: error: ") and "not a readable report.json" in err
+    assert not (tmp_path / "page.md").exists()
+
+
+# ----------------------------------------------------------------------------- run_study's own option checks
+def test_run_study_progress_is_type_checked():
+    with pytest.raises(OptionTypeError, match=r"progress=5 has the wrong type \(int\); accepted: a progress bar "
+                                              r"\(an object with update\(n\), like tqdm\), or None\."):
+        study_module.run_study("noise", progress=5)
+    with pytest.raises(OptionTypeError, match=r"train_docs='abc' has the wrong type"):
+        study_module.run_study("noise", train_docs="abc", val_docs=["x"])
+
+
+@pytest.mark.parametrize("value, words", [([5], r"max_steps=\[5\] has the wrong type \(list\)"),
+                                          ([], r"max_steps=\[\] has the wrong type \(list\)"),
+                                          ("5", r"max_steps='5' has the wrong type \(str\)")])
+def test_overrides_take_a_number_of_the_keys_type(value, words):
+    with pytest.raises(OptionTypeError, match=words + r"; accepted: an integer >= 1\."):
+        study_module.run_study("noise", overrides={"max_steps": value})
+
+
+def test_an_empty_seed_list_is_refused_and_a_path_is_a_path(tmp_path):
+    with pytest.raises(RangeError, match=r"seeds=\[\] is empty; .*, or None\."):
+        study_module.run_study("noise", seeds=[])
+    with pytest.raises(ValueError, match="unknown scale"):  # a Path object accepted: the call gets past the options
+        study_module.run_study("noise", "no-such-scale", output_dir=tmp_path / "study")
+
+
+def test_run_study_api(tmp_path):
+    report = study_module.run_study("tangential", "smoke", variants=["projected"], seeds=[0], output_dir=str(tmp_path),
+                             overrides={"max_steps": 2, "eval_every": 2})
+    assert report.kind == "study" and [r["variant"] for r in report["runs"]] == ["unpatched", "projected"]
+    assert "**Verdict.**" in report.to_markdown()
+
+
+def test_a_study_has_no_model_options_and_smoke_caps_its_scale_and_seeds(monkeypatch):
+    from hf_tangent import cli
+
+    _, parsers = cli.build_parser(commands=commands.COMMANDS)
+    assert {"model", "dtype", "seed"}.isdisjoint(a.dest for a in parsers["study"]._actions)
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
+    args = cli.parse_args(["study", "tangential", "--scale", "cpu", "--seeds", "3", "4", "5", "--seq_len", "16"],
+                          commands=commands.COMMANDS)
+    assert (args.scale, args.seeds, args.seq_len, args.max_steps) == ("smoke", [3], 16, None)  # None: the scale's

@@ -203,7 +203,7 @@ SMOKE = {  # option -> its size under HF_TANGENT_SMOKE=1 (the documented command
     "train_windows": 6,  # one per domain of the mixed corpus (heal's default text); training is max_steps batches
     "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2, "gradient_accumulation_steps": 1,
     "limit": 2, "random_starts": 2, "token_starts": 2, "steps": 10, "max_iter": 5, "tokens": 2, "greedy_max_k": 1,
-    "seeds": 1, "random_seeds": 1, "scale": "smoke",
+    "seeds": 1, "random_seeds": 1, "scale": "smoke",  # scale: the checkout's `python -m studies study`
     "stages": 1}  # progressive healing in stages needs a step per stage; 2 steps hold one
 SMOKE_NONE_IS_ALL = {"limit", "greedy_max_k"}  # None means "every item / layer" here, elsewhere the command's own size
 
@@ -447,7 +447,7 @@ def _arrange(sub, name: str, dataclass_types) -> None:
     sub.trainer_group, sub.trainer_own = groups.get(3), ours
     shown = " ".join(f"[{a.option_strings[0]} {a.metavar or a.dest.upper()}]" for a in sorted(named, key=rank)
                      if a.dest in FIRST)
-    sub.usage = f"hf-tangent {name} [-h] {shown} [options]".replace("  ", " ")
+    sub.usage = f"{sub.prog} [-h] {shown} [options]".replace("  ", " ")
 
 
 def _recipes_for(command: str) -> list[tuple[str, dict]]:

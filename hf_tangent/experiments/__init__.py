@@ -9,7 +9,6 @@ from .evaluate import evaluate_rules
 from .finetune import LoraSettings, finetune
 from .geometry import critical, ffn_jacobian, pressure
 from .heal import HealSettings, HealTrainingArguments, heal
-from .studies import run_study  # noqa: F401  (ht.run_study; and its report kind, "study", registers here)
 
 __all__ = ["HealSettings", "HealTrainingArguments", "LoraSettings", "ablate", "calibrate_gates", "critical", "diagnose_layers",
            "evaluate_rules", "ffn_jacobian", "finetune", "heal", "layer_sensitivity", "lm_eval", "merge_lm_eval", "parallel_sweep",

@@ -167,47 +167,6 @@ def parallel_sweep(curves: dict, random_std: dict, path: str, title: str = "Para
     return _save(fig, path)
 
 
-def study_curves(runs: list[dict], keys: dict[str, str], path: str, title: str, log_keys=()) -> str:
-    """One panel per logged quantity over training steps: per variant the seed mean with a min..max
-    band. runs: study runs (variant, history); keys: history key -> panel label."""
-    plt = _pyplot()
-    cols = min(4, len(keys))
-    rows = -(-len(keys) // cols)
-    width, height = (3.6, 2.9) if len(keys) > 2 else (5.5, 4.0)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
-    variants = list(dict.fromkeys(r["variant"] for r in runs))
-    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
-    for ax, (key, label) in zip(axes.flat, keys.items(), strict=False):
-        floor = 1e-12 if key in log_keys else -math.inf  # log panels: exact zeros drawn at 1e-12
-        for variant in variants:
-            histories = [r["history"] for r in runs if r["variant"] == variant]
-            steps = sorted({h["step"] for hist in histories for h in hist})
-            values = [[max(h[key], floor) for hist in histories for h in hist if h["step"] == s and h.get(key) is not None]
-                      for s in steps]
-            kept = [(s, v) for s, v in zip(steps, values, strict=True) if v]
-            if not kept:
-                continue
-            xs = [s for s, _ in kept]
-            ax.plot(xs, [sum(v) / len(v) for _, v in kept], color=colors[variant], label=variant, lw=1.2)
-            if len(histories) > 1:
-                ax.fill_between(xs, [min(v) for _, v in kept], [max(v) for _, v in kept], color=colors[variant], alpha=0.15)
-        if key in log_keys:
-            ax.set_yscale("log")
-        ax.set_title(label, fontsize=9)
-        ax.set_xlabel("optimizer step", fontsize=8)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    legend_rows = -(-len(labels) // 4)
-    fig.tight_layout(rect=(0, min(0.3, 0.035 * legend_rows * 2.9 * 3 / (height * rows)), 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 LABEL_COLORS = {"attractor": "tab:blue", "saddle": "tab:orange", "repeller": "tab:red", "neutral": "tab:grey"}
 
 

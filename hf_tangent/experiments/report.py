@@ -43,8 +43,8 @@ PAPER_MEAN_GATES = "GPT-2 0.852, GPT-2-large 0.917, Pythia 1.063 / 1.048, Mistra
 @dataclass
 class Report:
     """The result of one experiment (`kind`: eval, calibrate, finetune, diagnose, ablate,
-    sensitivity, parallel-sweep, study, heal, critical, pressure,
-    ffn-jacobian); `data` is what report.json holds."""
+    sensitivity, parallel-sweep, heal, critical, pressure, ffn-jacobian, and the kinds registered from
+    outside, as the checkout's studies/ registers "study"); `data` is what report.json holds."""
 
     kind: str
     data: dict

@@ -463,11 +463,6 @@ def cli_cases(tmp: Path, model_folder: Path):
         (["calibrate", *common, "--resume-from-checkpoint", "last"], "calibrate", "no complete checkpoint"),
         (["calibrate", *common, "--push-to-hub"], "calibrate", "needs --hub_model_id"),
         (["finetune", *common, "--method", "qlora"], "finetune", "invalid choice"),
-        (["study"], "study", "name a study"),
-        (["study", "noise", "--model", "gpt2"], "study", "unrecognized arguments"),
-        (["study", "noise", "--seed", "1"], "study", "unrecognized arguments"),
-        (["study", "entropy"], "study", "unknown study"),
-        (["study-report", str(tmp / "file")], "study-report", "not a readable report.json"),
         *[(["calibrate", *common, "--recipe", str(tmp / f"{n}.yaml")], "calibrate", m) for n, m in [
             ("not_yaml", "not valid YAML"), ("list", "must be a YAML mapping"),
             ("quoted_bool", "save_patch='false' has the wrong type (str); accepted: true or false."),

@@ -16,6 +16,8 @@ it again. run_study(overrides=) is probed key by key like an option of the key's
 The command line (and a recipe YAML file) is walked the same way for every numeric option of every
 command, and must refuse with exit code 2 and the very words the API uses for what is accepted.
 
+The checkout's studies/ (`python -m studies`, run_study) is walked with the package's doors.
+
 Used by tests/test_option_walk.py and by the hostile sweep's `options` group.
 """
 
@@ -26,6 +28,7 @@ import dataclasses
 import inspect
 import io
 import math
+import sys
 import tempfile
 import typing
 from pathlib import Path
@@ -33,7 +36,13 @@ from pathlib import Path
 import hf_tangent as ht
 from hf_tangent import cli
 from hf_tangent.experiments.report import Report
-from hf_tangent.ranges import Option, RangeError, listed, matches, numeric, options_of, shown, unannotated
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's studies/ (not shipped)
+from hf_tangent.ranges import Option, RangeError, listed, matches, numeric, options_of, shown, unannotated  # noqa: E402
+from studies import commands as study_commands  # noqa: E402
+from studies import study  # noqa: E402
+
+STUDY_COMMANDS = ("study", "study-report")  # their errors: `python -m studies <command>: error: ...`
 
 MISSING_MODEL = "/nonexistent/hf_tangent_option_walk_model"
 NUMBER_PROBES = (0, -1, math.nan, math.inf, -math.inf, 10**400, "1")
@@ -81,7 +90,7 @@ def api_functions() -> dict[str, typing.Callable]:
         obj = getattr(ht, name)
         if inspect.isfunction(obj) and typing.get_type_hints(obj).get("return") is Report and name not in NOT_RECIPES:
             out[name] = obj
-    return out
+    return out | {"run_study": study.run_study}
 
 
 def _dataclasses_in(hint) -> list[type]:
@@ -90,7 +99,7 @@ def _dataclasses_in(hint) -> list[type]:
 
 
 def command_parsers() -> dict:
-    return cli.build_parser()[1]
+    return cli.build_parser()[1] | cli.build_parser(commands=study_commands.COMMANDS)[1]
 
 
 def options_dataclasses() -> dict[str, type]:
@@ -211,10 +220,11 @@ def _cli_case(command, option, value, scratch: Path, recipe: bool, dests) -> Cas
         argv += [f"--{option.name}={words[0]}", *words[1:]]
 
     def run():
-        err = io.StringIO()
+        err, studies = io.StringIO(), command in STUDY_COMMANDS
         try:
-            with _one_parser(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                code = cli.main(argv)
+            with contextlib.nullcontext() if studies else _one_parser(), contextlib.redirect_stderr(err), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                code = study_commands.main(argv) if studies else cli.main(argv)
         except SystemExit as exit_:
             code = exit_.code
         except Exception as exc:  # noqa: BLE001
@@ -225,7 +235,8 @@ def _cli_case(command, option, value, scratch: Path, recipe: bool, dests) -> Cas
         named = f"--{dashed}" in last or f"--{option.name}" in last or f": {option.name}=" in last
         if code != 2:
             return ("silent wrong" if code == 0 else "crash"), f"exit {code}: {last}"
-        good = last.startswith(f"hf-tangent {command}: error: ") and named and f"{option.accepted}." in last
+        prog = "python -m studies" if studies else "hf-tangent"
+        good = last.startswith(f"{prog} {command}: error: ") and named and f"{option.accepted}." in last
         return ("clear" if good else "unclear"), last
 
     return Case("recipe" if recipe else "cli", command, option.name, value, option.accepted, True, run)
@@ -309,10 +320,8 @@ def _changed_case(fname, function, name, cls, field, value) -> Case:
 def _override_cases() -> list[Case]:
     """run_study(overrides={key: value}): each budget key probed like an option of its type and range
     (a list is never a number, nor a string)."""
-    from hf_tangent.experiments.studies import BUDGET_RANGES
-
     out = []
-    for key, limit in BUDGET_RANGES.items():
+    for key, limit in study.BUDGET_RANGES.items():
         option = Option(key, int if limit.integer else float, limit)
         for value in (*NUMBER_PROBES, [5], [], 5):
             out.append(_override_case(option, value))
@@ -325,7 +334,7 @@ def _override_case(option, value) -> Case:
     def run():
         # a refused value must stop before the scale's checks; an accepted one ends at the documents' check
         try:
-            ht.run_study("noise", "smoke", overrides={option.name: value}, train_docs=["x"])
+            study.run_study("noise", "smoke", overrides={option.name: value}, train_docs=["x"])
         except RangeError as err:
             if not refused:
                 return "silent wrong", f"an accepted value refused: {err}"

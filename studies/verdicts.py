@@ -8,8 +8,8 @@ seed disagrees), "did not hold" (they point the other way).
 
 from __future__ import annotations
 
-from .stats import paired as paired_over_seeds
-from .stats import paired_summary
+from hf_tangent.analysis.stats import paired as paired_over_seeds
+from hf_tangent.analysis.stats import paired_summary
 
 METRIC = "final_val_loss"
 

@@ -1,16 +1,23 @@
-"""`hf-tangent study`: from-scratch training studies (tangential, retraction, noise; docs/studies.md).
+"""The two commands of `python -m studies`: `study` (from-scratch training studies: tangential, retraction, noise;
+docs/studies-guide.md) and `study-report` (docs/studies.md from their report.json files, merged by seed).
 
-Models are built from scratch and seeded by --seeds, so the study has no --model, --dtype or --seed."""
+Models are built from scratch and seeded by --seeds, so a study has no --model, --dtype or --seed. The options,
+recipes (--recipe FILE.yaml), HF_TANGENT_SMOKE=1 and the one-line errors are hf-tangent's (hf_tangent/cli.py)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
-from ..experiments.studies import ARCHS, BUDGET_RANGES, SCALES, STUDIES
-from ..ranges import Range
-from ..training.data import TextSource
-from .arguments import Checked, CommandError, add_command, dataclasses_of, preflight
+from hf_tangent import cli
+from hf_tangent.commands.arguments import Checked, CommandError, add_command, dataclasses_of, preflight
+from hf_tangent.experiments.common import progress_bar
+from hf_tangent.ranges import Range
+from hf_tangent.training.data import TextSource
+
+from .study import ARCHS, BUDGET_RANGES, SCALES, STUDIES, check_request, run_study, write_study_page
 
 
 @dataclass
@@ -67,9 +74,6 @@ def _documents(options):
 
 
 def study_command(args) -> int:
-    from ..experiments.common import progress_bar
-    from ..experiments.studies import check_request, run_study
-
     options, budget = dataclasses_of(args.parser, args)
     if args.study is None:
         raise CommandError(f"name a study: one of {', '.join(STUDIES)} (or `study:` in a --recipe).")
@@ -90,3 +94,41 @@ def study_command(args) -> int:
     report.data["plots"] = {"validation loss": f"{args.study}_val_loss.png", "diagnostics": f"{args.study}_diagnostics.png"}
     report.save(options.output_dir, echo=True)
     return 0
+
+
+@dataclass
+class StudyReportArguments(Checked):
+    output: str = field(default="docs/studies.md", metadata={"help": "the page to write"})
+
+
+def study_report_command_parser(subparsers):
+    sub = add_command(subparsers, "study-report", (StudyReportArguments,),
+                      "write docs/studies.md from study report.json files", study_report_command, recipe=False)
+    sub.add_argument("reports", nargs="+", help="report.json files written by `python -m studies study`")
+    return sub
+
+
+def study_report_command(args) -> int:
+    (options,) = dataclasses_of(args.parser, args)
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append((path, json.loads(Path(path).read_text(encoding="utf-8"))))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CommandError(f"{path}: not a readable report.json ({err}).") from None
+    print(f"wrote {write_study_page(reports, Path(options.output))}")
+    return 0
+
+
+COMMANDS = (study_command_parser, study_report_command_parser)
+DESCRIPTION = """\
+From-scratch training studies of the update rules (docs/studies-guide.md), and the results page they render.
+
+  python -m studies study tangential --scale cpu            one study (tangential, retraction or noise)
+  python -m studies study --recipe studies/recipes/study_tangential.yaml
+  python -m studies study-report runs/study-*/report.json   docs/studies.md from the runs' reports"""
+
+
+def main(argv=None) -> int:
+    """`python -m studies`: hf-tangent's command line (options, recipes, HF_TANGENT_SMOKE, errors) with these two."""
+    return cli.main(argv, commands=COMMANDS, prog="python -m studies", description=DESCRIPTION)
