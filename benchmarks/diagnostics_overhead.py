@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
 from hf_tangent.analysis import diagnostics
-from hf_tangent.analysis.timing import emit, interleaved_ratio
+from hf_tangent.analysis.timing import interleaved_ratio
 
 
 def build(tiny: bool):
@@ -47,7 +49,11 @@ def main(argv=None) -> dict:
 
     result = {"benchmark": "diagnostics_overhead", "model": name, "tokens": ids.numel(),
               "threads": torch.get_num_threads(), **interleaved_ratio(plain, observed, repeats=args.repeats)}
-    return emit(result, args.output)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+    return result
 
 
 if __name__ == "__main__":

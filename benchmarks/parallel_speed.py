@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 import hf_tangent as ht
 from hf_tangent.analysis import parallel
-from hf_tangent.analysis.timing import emit, interleaved_ratios
+from hf_tangent.analysis.timing import interleaved_ratios
 
 EXECUTIONS = ("hooks", "fused")
 
@@ -120,7 +122,11 @@ def main(argv=None) -> dict:
                          **{f"measured_{e}": measured["decode"][e] for e in EXECUTIONS},
                          **{f"measured_step_speedup_{e}": 1.0 / measured["step"][e]["ratio_median"] for e in EXECUTIONS},
                          **{f"measured_step_{e}": measured["step"][e] for e in EXECUTIONS}}}
-    return emit(result, args.output)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+    return result
 
 
 if __name__ == "__main__":

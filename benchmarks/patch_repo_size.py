@@ -12,6 +12,7 @@ complete folder holds merged weights, so rounding differs).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -20,7 +21,6 @@ from pathlib import Path
 import torch
 
 import hf_tangent as ht
-from hf_tangent.analysis.timing import emit
 from hf_tangent.experiments.heal import HealTrainingArguments
 
 
@@ -76,7 +76,11 @@ def main(argv=None) -> dict:
                                    "patch_files": sorted(str(p.relative_to(patch)) for p in patch.rglob("*") if p.is_file()),
                                    "reload_patch_s": seconds["patch"], "reload_full_s": seconds["full"],
                                    "logits_max_abs_diff": logits_gap({"patch": patch, "full": full})}
-    return emit(result, args.output)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text)
+    return result
 
 
 if __name__ == "__main__":

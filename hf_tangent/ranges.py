@@ -117,14 +117,6 @@ def _parameters(function) -> list[str]:
     return [n for n, p in inspect.signature(function).parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def unannotated(owner) -> list[str]:
-    """The options of a function or dataclass with no annotation (so no type check): the option walk
-    fails on any."""
-    hints = hints_of(owner)
-    names = [f.name for f in dataclasses.fields(owner) if f.init] if dataclasses.is_dataclass(owner) else _parameters(owner)
-    return [n for n in names if n not in hints]
-
-
 @functools.cache
 def options_of(owner) -> dict[str, Option]:
     """The checked options of a `validated` function or an options dataclass, by name."""

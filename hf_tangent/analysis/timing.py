@@ -39,14 +39,3 @@ def interleaved_ratios(baseline, candidates: dict, *, repeats: int = 10, warmup:
                      "repeats": repeats, "ratios": ratios}
     return out
 
-
-def emit(result: dict, output: str | None = None) -> dict:
-    """Print a benchmark result as JSON and, if `output` is given, write it there."""
-    import json
-    from pathlib import Path
-
-    text = json.dumps(result, indent=2)
-    print(text)
-    if output:
-        Path(output).write_text(text)
-    return result

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import platform
 import time
-from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -241,16 +240,11 @@ def provenance_line(data: dict) -> str:
                                   f"Text: {'; '.join(texts)}." if texts else ""]))
 
 
-@contextmanager
 def progress_bar(enabled: bool, total: int, desc: str, unit: str = "window"):
-    """A tqdm bar (or None when disabled) that always closes."""
-    if not enabled:
-        yield None
-        return
+    """A tqdm bar (a disabled one does nothing), to use as a context manager, which closes it."""
     from tqdm.auto import tqdm
 
-    with tqdm(total=total, desc=desc, unit=unit) as bar:
-        yield bar
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled)
 
 
 class Clock:

@@ -96,8 +96,7 @@ def critical(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, la
                 row["fields"][field] = {k: v for k, v in found.items() if k != "directions"} | {
                     "counts": label_counts(found["roots"])}
             rows.append(row)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
     split_eigenvalues(rows, tensors)
     report = Report("critical", {
         "command": "critical", "protocol": protocol, "model": name, "text": text.describe(), "seq_len": seq_len,
@@ -228,8 +227,7 @@ def ffn_jacobian(model: Model, tokenizer: Tokenizer = None, *, text: Text = None
                 "gain_histogram": torch.histc(gain.clamp(-0.5, 1.5), bins=40, min=-0.5, max=1.5).tolist(),
                 "top_share": measured["top_share"].mean().item(), "top_units": [[u, n] for u, n in units],
                 "c_l": sens["scores"][i], **{f"ablation_{k}": v.get(i) for k, v in costs.items()}})
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
     figures = {k: (lambda r, k=k: r[k]) for k in ("spectral_norm", "effective_rank", "radial_fraction", "top_share")}
     figures |= {f"gain_{g}": (lambda r, g=g: r["gain"][g]) for g in ("off", "linear")}
     against = ["c_l"] + [f"ablation_{k}" for k in costs]

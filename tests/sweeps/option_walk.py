@@ -38,7 +38,7 @@ from hf_tangent import cli
 from hf_tangent.experiments.report import Report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's studies/ (not shipped)
-from hf_tangent.ranges import Option, RangeError, listed, matches, numeric, options_of, shown, unannotated  # noqa: E402
+from hf_tangent.ranges import Option, RangeError, hints_of, listed, matches, numeric, options_of, shown  # noqa: E402
 from studies import commands as study_commands  # noqa: E402
 from studies import study  # noqa: E402
 
@@ -361,6 +361,13 @@ def covered() -> dict[str, list[str]]:
         out["cli"] += [f"{command}.{n}" for cls in parser.dataclass_types for n, o in options_of(cls).items()
                        if numeric(o.hint)]
     return out
+
+
+def unannotated(owner) -> list[str]:
+    """The options of a function or dataclass with no annotation (so no type check): the walk fails on any."""
+    names = [f.name for f in dataclasses.fields(owner) if f.init] if dataclasses.is_dataclass(owner) else [
+        n for n, p in inspect.signature(owner).parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [n for n in names if n not in hints_of(owner)]
 
 
 def unannotated_options() -> list[str]:
