@@ -5,3 +5,5 @@ patched checkpoints, and `study-report` writes the checkout's docs. Run from the
     python -m studies study tangential --scale cpu --output-dir runs/study-tangential
     python -m studies study-report runs/study-*/report.json
 """
+
+from . import study  # noqa: F401  (registers the "study" report kind: hf_tangent.Report.load reads kept ones)

@@ -7,12 +7,14 @@ recipes (--recipe FILE.yaml), HF_TANGENT_SMOKE=1 and the one-line errors are hf-
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from hf_tangent import cli
-from hf_tangent.commands.arguments import Checked, CommandError, add_command, dataclasses_of, preflight
+from hf_tangent.commands.arguments import SMOKE, Checked, CommandError, add_command, dataclasses_of, preflight
 from hf_tangent.experiments.common import progress_bar
 from hf_tangent.ranges import Range
 from hf_tangent.training.data import TextSource
@@ -85,7 +87,9 @@ def study_command(args) -> int:
                  "train_windows": budget.train_windows, "seq_len": budget.seq_len, "batch_size": budget.batch_size,
                  "val_windows": budget.max_windows}
     train_docs, val_docs, data = _documents(options)
-    seeds = options.seeds or SCALES[options.scale]["seeds"]
+    seeds = list(options.seeds or SCALES[options.scale]["seeds"])
+    if os.environ.get("HF_TANGENT_SMOKE") == "1":  # the scale's seeds too (--seeds is capped by the command line)
+        seeds = seeds[:SMOKE["seeds"]]
     with progress_bar(True, len(names) * len(seeds), f"study {args.study} ({options.scale})", "run") as bar:
         report = run_study(args.study, options.scale, arch=options.arch, variants=options.variants, seeds=seeds,
                            branches=tuple(options.branches), output_dir=options.output_dir, device=options.device,
@@ -116,7 +120,14 @@ def study_report_command(args) -> int:
             reports.append((path, json.loads(Path(path).read_text(encoding="utf-8"))))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CommandError(f"{path}: not a readable report.json ({err}).") from None
-    print(f"wrote {write_study_page(reports, Path(options.output))}")
+    page = Path(options.output)
+    if page.is_dir() or not next(p for p in page.absolute().parents if p.exists()).is_dir():
+        raise CommandError(f"--output {page} is a folder or lies under a file; accepted: the path of the page to write "
+                           "(the reports and plots it shows go to results/studies/ beside it).")
+    try:
+        print(f"wrote {write_study_page(reports, page)}")
+    except OSError as err:  # a folder that does not allow writing, a full disk: one line, as every error of the command
+        raise CommandError(f"--output {page}: {err}") from None
     return 0
 
 
@@ -129,6 +140,22 @@ From-scratch training studies of the update rules (docs/studies-guide.md), and t
   python -m studies study-report runs/study-*/report.json   docs/studies.md from the runs' reports"""
 
 
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def _recipe(name: str) -> str:
+    """A --recipe that is no file but the name of one of studies/recipes/ (hf-tangent's shipped recipes are for
+    its own commands), as that file's path."""
+    path = RECIPES / f"{name}.yaml"
+    return str(path) if name.replace("_", "").isalnum() and not Path(name).is_file() and path.is_file() else name
+
+
 def main(argv=None) -> int:
     """`python -m studies`: hf-tangent's command line (options, recipes, HF_TANGENT_SMOKE, errors) with these two."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, token in enumerate(argv):
+        if token == "--recipe" and i + 1 < len(argv):
+            argv[i + 1] = _recipe(argv[i + 1])
+        elif token.startswith("--recipe="):
+            argv[i] = "--recipe=" + _recipe(token[len("--recipe="):])
     return cli.main(argv, commands=COMMANDS, prog="python -m studies", description=DESCRIPTION)

@@ -69,12 +69,9 @@ FP16_MAX = 65504.0
 
 
 def check_request(study: str, scale: str, variants=None, arch: str = "gpt2") -> list[str]:
-    if study not in STUDIES:
-        raise ValueError(f"unknown study {study!r}; accepted: {', '.join(STUDIES)}.")
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; accepted: {', '.join(SCALES)}.")
-    if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}; accepted: {', '.join(ARCHS)}.")
+    for what, value, accepted in (("study", study, STUDIES), ("scale", scale, SCALES), ("architecture", arch, ARCHS)):
+        if not isinstance(value, str) or value not in accepted:  # (a recipe's `study: [a]` is no name)
+            raise ValueError(f"unknown {what} {value!r}; accepted: {', '.join(accepted)}.")
     names = list(STUDIES[study]) if not variants else list(variants)
     unknown = [v for v in names if v not in STUDIES[study]]
     if unknown:

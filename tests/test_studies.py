@@ -263,3 +263,42 @@ def test_a_study_has_no_model_options_and_smoke_caps_its_scale_and_seeds(monkeyp
     args = cli.parse_args(["study", "tangential", "--scale", "cpu", "--seeds", "3", "4", "5", "--seq_len", "16"],
                           commands=commands.COMMANDS)
     assert (args.scale, args.seeds, args.seq_len, args.max_steps) == ("smoke", [3], 16, None)  # None: the scale's
+
+
+def test_a_recipe_by_name_and_hostile_recipes_and_pages_end_in_one_line(tmp_path, capsys):
+    """Found by the review of the move: `--recipe study_noise` (a name, as before the move) was "not found"; a
+    recipe's `study: [tangential]` crashed with a TypeError, a page --output at a folder or under a file with an
+    OSError traceback."""
+    (tmp_path / "list.yaml").write_text("command: study\nstudy: [tangential]\n")
+    (tmp_path / "afile").write_text("x")
+    kept = str(ROOT / "docs" / "results" / "studies" / "noise-gpt2-ffn" / "report.json")
+    for argv, words in [
+        (["study", "--recipe", "study_noise", "--scale", "huge"], "unknown scale 'huge'"),  # the recipe was read
+        (["study", "--recipe=study_noise", "--arch", "bert"], "unknown architecture 'bert'"),
+        (["study", "--recipe", str(tmp_path / "list.yaml")], "unknown study ['tangential']; accepted: tangential,"),
+        (["study-report", kept, "--output", str(tmp_path)], "is a folder or lies under a file; accepted:"),
+        (["study-report", kept, "--output", str(tmp_path / "afile" / "x.md")], "is a folder or lies under a file"),
+    ]:
+        assert commands.main([*argv, "--output-dir", str(tmp_path / "out")] if argv[0] == "study" else argv) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"python -m studies {argv[0]}: error: ") and words in last, (argv, last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "list.yaml"]  # nothing written
+
+
+def test_smoke_size_runs_one_seed_of_the_scales(tmp_path, monkeypatch):
+    """HF_TANGENT_SMOKE=1 promises one seed (docs/recipes.md); without --seeds a study ran its scale's two."""
+    monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
+    assert commands.main(["study", "noise", "--variants", "none", "--max-steps", "2", "--eval-every", "2",
+                          "--output-dir", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["seeds"] == [0]
+
+
+def test_a_kept_study_report_loads_once_studies_is_imported_and_says_so_before():
+    import subprocess
+
+    path = ROOT / "docs" / "results" / "studies" / "noise-gpt2-ffn" / "report.json"
+    code = f"import hf_tangent as ht\ntry:\n    ht.Report.load({str(path)!r})\nexcept ValueError as e:\n    print(e)\n" \
+           f"import studies\nprint(ht.Report.load({str(path)!r}).kind)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "a report of the checkout's from-scratch studies (`python -m studies`); `import studies`" in out
+    assert out.strip().splitlines()[-1] == "study"

@@ -114,6 +114,9 @@ class Report:
             raise ValueError(f"{path}: not an hf-tangent report: a JSON {type(data).__name__}, accepted: a JSON object "
                              "with a 'command' field.")
         kind = data.get("command") or ("study" if "study" in data else None)
+        if kind == "study" and kind not in MARKDOWN:
+            raise ValueError(f"{path}: a report of the checkout's from-scratch studies (`python -m studies`); `import "
+                             "studies` (from the checkout's root) lets Report.load read it.")
         if not isinstance(kind, str) or kind not in MARKDOWN:
             raise ValueError(f"{path}: not an hf-tangent report (command={data.get('command')!r}; accepted: "
                              f"{', '.join(MARKDOWN)}).")
