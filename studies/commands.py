@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import ClassVar
 
 from hf_tangent import cli
-from hf_tangent.commands.arguments import SMOKE, Checked, CommandError, add_command, dataclasses_of, preflight
+from hf_tangent.commands.arguments import (
+    SMOKE,
+    Checked,
+    CommandError,
+    add_command,
+    dataclasses_of,
+    is_file,
+    preflight,
+)
 from hf_tangent.experiments.common import progress_bar
 from hf_tangent.ranges import Range
 from hf_tangent.training.data import TextSource
@@ -88,7 +96,9 @@ def study_command(args) -> int:
                  "val_windows": budget.max_windows}
     train_docs, val_docs, data = _documents(options)
     seeds = list(options.seeds or SCALES[options.scale]["seeds"])
-    if os.environ.get("HF_TANGENT_SMOKE") == "1":  # the scale's seeds too (--seeds is capped by the command line)
+    if os.environ.get("HF_TANGENT_SMOKE") == "1" and len(seeds) > SMOKE["seeds"]:  # --seeds: capped by cli.py
+        print(f"HF_TANGENT_SMOKE=1: the {options.scale} scale's seeds {seeds} -> {seeds[:SMOKE['seeds']]}",
+              file=sys.stderr)
         seeds = seeds[:SMOKE["seeds"]]
     with progress_bar(True, len(names) * len(seeds), f"study {args.study} ({options.scale})", "run") as bar:
         report = run_study(args.study, options.scale, arch=options.arch, variants=options.variants, seeds=seeds,
@@ -121,10 +131,10 @@ def study_report_command(args) -> int:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CommandError(f"{path}: not a readable report.json ({err}).") from None
     page = Path(options.output)
-    if page.is_dir() or not next(p for p in page.absolute().parents if p.exists()).is_dir():
-        raise CommandError(f"--output {page} is a folder or lies under a file; accepted: the path of the page to write "
-                           "(the reports and plots it shows go to results/studies/ beside it).")
-    try:
+    try:  # (OSError: a name too long, a folder that cannot be read)
+        if page.is_dir() or not next(p for p in page.absolute().parents if p.exists()).is_dir():
+            raise CommandError(f"--output {page} is a folder or lies under a file; accepted: the path of the page to "
+                               "write (the reports and plots it shows go to results/studies/ beside it).")
         print(f"wrote {write_study_page(reports, page)}")
     except OSError as err:  # a folder that does not allow writing, a full disk: one line, as every error of the command
         raise CommandError(f"--output {page}: {err}") from None
@@ -147,13 +157,14 @@ def _recipe(name: str) -> str:
     """A --recipe that is no file but the name of one of studies/recipes/ (hf-tangent's shipped recipes are for
     its own commands), as that file's path."""
     path = RECIPES / f"{name}.yaml"
-    return str(path) if name.replace("_", "").isalnum() and not Path(name).is_file() and path.is_file() else name
+    return str(path) if name.replace("_", "").isalnum() and not is_file(Path(name)) and is_file(path) else name
 
 
 def main(argv=None) -> int:
     """`python -m studies`: hf-tangent's command line (options, recipes, HF_TANGENT_SMOKE, errors) with these two."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    for i, token in enumerate(argv):
+    command = next((i for i, token in enumerate(argv) if not token.startswith("-")), len(argv))
+    for i, token in enumerate(argv[command:], start=command):  # a command's --recipe (before it: argparse's error)
         if token == "--recipe" and i + 1 < len(argv):
             argv[i + 1] = _recipe(argv[i + 1])
         elif token.startswith("--recipe="):

@@ -266,9 +266,9 @@ def test_a_study_has_no_model_options_and_smoke_caps_its_scale_and_seeds(monkeyp
 
 
 def test_a_recipe_by_name_and_hostile_recipes_and_pages_end_in_one_line(tmp_path, capsys):
-    """Found by the review of the move: `--recipe study_noise` (a name, as before the move) was "not found"; a
-    recipe's `study: [tangential]` crashed with a TypeError, a page --output at a folder or under a file with an
-    OSError traceback."""
+    """Found by the reviews of the move: `--recipe study_noise` (a name, as before the move) was "not found"; a
+    recipe's `study: [tangential]` crashed with a TypeError, a page --output at a folder, under a file or with a
+    name too long with an OSError traceback, and a --recipe name too long for a path too (hf-tangent's as well)."""
     (tmp_path / "list.yaml").write_text("command: study\nstudy: [tangential]\n")
     (tmp_path / "afile").write_text("x")
     kept = str(ROOT / "docs" / "results" / "studies" / "noise-gpt2-ffn" / "report.json")
@@ -278,19 +278,27 @@ def test_a_recipe_by_name_and_hostile_recipes_and_pages_end_in_one_line(tmp_path
         (["study", "--recipe", str(tmp_path / "list.yaml")], "unknown study ['tangential']; accepted: tangential,"),
         (["study-report", kept, "--output", str(tmp_path)], "is a folder or lies under a file; accepted:"),
         (["study-report", kept, "--output", str(tmp_path / "afile" / "x.md")], "is a folder or lies under a file"),
+        (["study-report", kept, "--output", str(tmp_path / ("a" * 300 + ".md"))], "File name too long"),  # OSError
+        (["study", "--recipe", "a" * 300], "not found: not a file, nor a shipped recipe"),  # (a traceback, both)
     ]:
-        assert commands.main([*argv, "--output-dir", str(tmp_path / "out")] if argv[0] == "study" else argv) == 2
+        try:  # (a recipe's errors are the parser's: SystemExit)
+            code = commands.main([*argv, "--output-dir", str(tmp_path / "out")] if argv[0] == "study" else argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        assert code == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith(f"python -m studies {argv[0]}: error: ") and words in last, (argv, last)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "list.yaml"]  # nothing written
 
 
-def test_smoke_size_runs_one_seed_of_the_scales(tmp_path, monkeypatch):
-    """HF_TANGENT_SMOKE=1 promises one seed (docs/recipes.md); without --seeds a study ran its scale's two."""
+def test_smoke_size_runs_one_seed_of_the_scales(tmp_path, monkeypatch, capsys):
+    """HF_TANGENT_SMOKE=1 promises one seed (docs/recipes.md), and stderr says what it capped; without --seeds a
+    study ran its scale's two."""
     monkeypatch.setenv("HF_TANGENT_SMOKE", "1")
     assert commands.main(["study", "noise", "--variants", "none", "--max-steps", "2", "--eval-every", "2",
                           "--output-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "report.json").read_text())["seeds"] == [0]
+    assert "HF_TANGENT_SMOKE=1: the smoke scale's seeds [0, 1] -> [0]" in capsys.readouterr().err
 
 
 def test_a_kept_study_report_loads_once_studies_is_imported_and_says_so_before():
@@ -302,3 +310,11 @@ def test_a_kept_study_report_loads_once_studies_is_imported_and_says_so_before()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "a report of the checkout's from-scratch studies (`python -m studies`); `import studies`" in out
     assert out.strip().splitlines()[-1] == "study"
+
+
+def test_hf_tangents_own_recipe_lookup_survives_a_name_too_long(capsys):
+    from hf_tangent import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval", "--recipe", "a" * 300])
+    assert exit_.value.code == 2 and "not found: not a file, nor a shipped recipe" in capsys.readouterr().err

@@ -38,4 +38,3 @@ def interleaved_ratios(baseline, candidates: dict, *, repeats: int = 10, warmup:
                      "baseline_median_s": statistics.median(times[0]), "candidate_median_s": statistics.median(times[j]),
                      "repeats": repeats, "ratios": ratios}
     return out
-

@@ -238,13 +238,20 @@ def smoke_sizes(args: argparse.Namespace) -> list[str] | None:
 
 
 # ----------------------------------------------------------------------------- recipes
+def is_file(path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for a path, a folder that cannot be read: no recipe there
+        return False
+
+
 def find_recipe(name: str) -> Path:
     """A recipe path, or the name of one shipped with hf_tangent (recipes/<name>.yaml in the wheel)."""
     path = Path(name)
-    if path.is_file():
+    if is_file(path):
         return path
     shipped = resources.files("hf_tangent.recipes") / f"{name}.yaml"
-    if shipped.is_file():
+    if is_file(shipped):
         return Path(str(shipped))
     names = sorted(p.name[:-5] for p in resources.files("hf_tangent.recipes").iterdir() if p.name.endswith(".yaml"))
     raise CommandError(f"recipe {name!r} not found: not a file, nor a shipped recipe ({', '.join(names)}).")
