@@ -73,9 +73,9 @@ def _recipe_of(argv: list[str]) -> str | None:
     return None
 
 
-def parse_args(argv=None, **parser) -> argparse.Namespace:
-    """The parsed command line, the recipe's values (if any) under the options given (`parser`: build_parser's)."""
-    parser, subparsers = build_parser(**parser)
+def parse_args(argv=None, **build) -> argparse.Namespace:
+    """The parsed command line, the recipe's values (if any) under the options given (`build`: build_parser's)."""
+    parser, subparsers = build_parser(**build)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((token for token in argv if not token.startswith("-")), None)
     recipe = _recipe_of(argv)
@@ -96,12 +96,12 @@ def parse_args(argv=None, **parser) -> argparse.Namespace:
     return args
 
 
-def main(argv=None, **parser) -> int:
-    args = parse_args(argv, **parser)
+def main(argv=None, **build) -> int:
+    args = parse_args(argv, **build)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"{parser.get('prog', 'hf-tangent')} {args.command}: error: {one_line(err)}", file=sys.stderr)
+        print(f"{build.get('prog', 'hf-tangent')} {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 
