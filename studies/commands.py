@@ -74,8 +74,6 @@ def _documents(options):
     """(train documents, validation documents, their description) or Nones for the scale's text."""
     if not (options.text_files or options.dataset or options.calibration_files):
         return None, None, None
-    if options.calibration_files and not options.text_files:
-        raise CommandError("--calibration-files needs --text-files as the validation text.")
     text = TextSource(text_files=tuple(options.text_files or ()) or None, dataset=options.dataset,
                       dataset_split=options.dataset_split, calibration_files=tuple(options.calibration_files or ()) or None)
     described = text.describe(training=True)
