@@ -9,21 +9,7 @@ import sys
 
 from transformers import HfArgumentParser
 
-from .commands import (
-    ablate,
-    calibrate,
-    critical,
-    diagnose,
-    export,
-    ffn_jacobian,
-    finetune,
-    heal,
-    lm_eval,
-    lm_eval_merge,
-    parallel_sweep,
-    pressure,
-    sensitivity,
-)
+from .commands import analyses, calibrate, export, finetune, heal, lm_eval, lm_eval_merge, sensitivity
 from .commands import eval as eval_
 from .commands.arguments import CommandError, apply_recipe, smoke_sizes
 from .core._version import __version__
@@ -42,9 +28,9 @@ given on the command line win) and write report.json and report.md to their outp
 end in one `hf-tangent <command>: error: ...` line and exit code 2."""
 
 COMMANDS = (eval_.eval_command_parser, calibrate.calibrate_command_parser, finetune.finetune_command_parser,
-            diagnose.diagnose_command_parser, ablate.ablate_command_parser, sensitivity.sensitivity_command_parser,
-            parallel_sweep.parallel_sweep_command_parser, heal.heal_command_parser,
-            critical.critical_command_parser, pressure.pressure_command_parser, ffn_jacobian.ffn_jacobian_command_parser,
+            analyses.diagnose_command_parser, analyses.ablate_command_parser, sensitivity.sensitivity_command_parser,
+            analyses.parallel_sweep_command_parser, heal.heal_command_parser, analyses.critical_command_parser,
+            analyses.pressure_command_parser, analyses.ffn_jacobian_command_parser,
             export.export_command_parser, lm_eval.lm_eval_command_parser,
             lm_eval_merge.lm_eval_merge_command_parser)
 

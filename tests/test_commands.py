@@ -4,6 +4,7 @@ expensive work. Reports regenerate from their kept JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -316,3 +317,86 @@ def test_rule_tables_and_plots_take_any_row(tmp_path):
     Report("eval", {**data, "rows": data["rows"][:1]}).save(tmp_path / "alone")
     assert not (tmp_path / "alone" / "rule_deltas.png").exists()
     assert "rule_deltas.png" not in (tmp_path / "alone" / "report.md").read_text()
+
+
+ANALYSES = {"ablate": "ablate", "diagnose": "diagnose_layers", "parallel-sweep": "parallel_sweep",
+            "critical": "critical", "pressure": "pressure", "ffn-jacobian": "ffn_jacobian"}
+
+
+@pytest.mark.parametrize("command", list(ANALYSES))
+def test_an_analysis_commands_own_options_are_its_functions_parameters(command, capsys, monkeypatch):
+    """One declaration per option (issue 59, item 4): the analysis commands' own options are made from the keyword
+    parameters of the function they run: the same names, defaults, ranges' words and the docstring's help."""
+    import inspect
+
+    import hf_tangent as ht
+    from hf_tangent.commands.arguments import SHARED_PARAMETERS
+    from hf_tangent.ranges import options_of
+
+    function = getattr(ht, ANALYSES[command])
+    parser = cli.build_parser()[1][command]
+    own = parser.dataclass_types[-1]
+    parameters = {name: p.default for name, p in inspect.signature(function).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY and name not in SHARED_PARAMETERS}
+    actions = {a.dest: a for a in parser._actions}
+    assert [f.name for f in dataclasses.fields(own)] == list(parameters)
+    for name, default in parameters.items():
+        assert actions[name].default == (list(default) if isinstance(default, tuple) else default), name
+        api, cli_option = options_of(function)[name], options_of(own)[name]
+        if api.range is not None:
+            assert cli_option.accepted == api.accepted, name
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: the help as the docstring says it
+    out = " ".join(_help_text(command, capsys).split())
+    doc = " ".join((inspect.getdoc(function) or "").split())
+    for field in dataclasses.fields(own):
+        text = field.metadata["help"]
+        assert text in out and text.split(": ")[0] in doc, (field.name, text)
+
+
+def _help_text(command, capsys) -> str:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_an_undocumented_parameter_cannot_become_an_option():
+    from hf_tangent.commands.arguments import options_dataclass
+    from hf_tangent.ranges import validated
+
+    @validated()
+    def probe(model, *, text=None, steps: int = 3, depth: int = 2):
+        """A probe.
+
+        Args:
+            steps: how many
+                steps, in all
+        """
+
+    with pytest.raises(TypeError, match="probe: parameter 'depth' is not in its docstring's Args"):
+        options_dataclass(probe)
+
+    @validated()
+    def documented(model, *, text=None, steps: int = 3, depth: int = 2):
+        """A probe.
+
+        Args: as the other analyses, and
+            steps: how many
+                steps, in all
+            depth: how deep
+        """
+
+    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(options_dataclass(documented))}
+    assert fields == {"steps": "how many steps, in all", "depth": "how deep"}
+
+
+@pytest.mark.parametrize("function, option, value", [
+    ("ablate", "variants", ["full", "no_such_ablation"]), ("diagnose_layers", "update", "no such rule"),
+    ("critical", "protocol", "papers")])
+def test_a_choice_the_command_line_refuses_the_python_call_refuses_before_loading_a_model(function, option, value):
+    """The choices are the function's annotation (a Literal), so ht.ablate(variants=[...]) refuses an unknown name
+    in the command line's words, before the model name is looked up (it used to load first, and fail later)."""
+    import hf_tangent as ht
+    from hf_tangent.ranges import RangeError
+
+    with pytest.raises(RangeError, match=f"{option}=.*accepted: .*(one of|values among) '"):
+        getattr(ht, function)("/nonexistent/hf_tangent_choice_probe", **{option: value})

@@ -193,7 +193,8 @@ def test_learning_rate_1e_3_in_a_recipe(tmp_path):
     (lambda: ht.heal(MISSING, ht.TangentConfig(update="projected"), seeds=[]), r"seeds=\[\] is empty; accepted: a "
      r"non-empty list of integers >= 0 and <= 4294967295\."),
     (lambda: ht.finetune(MISSING, seeds=[]), r"seeds=\[\] is empty"),
-    (lambda: ht.ablate(MISSING, variants=[]), r"variants=\[\] is empty; accepted: a non-empty list of strings\."),
+    (lambda: ht.ablate(MISSING, variants=[]), r"variants=\[\] is empty; accepted: a non-empty list of values among 'full', "
+     r"'zero_ffn', 'radial_only', 'tangential_only', 'attention_zero'\."),
     (lambda: ht.diagnose_layers(MISSING, layers=[]), r"layers=\[\] is empty"),
     (lambda: ht.parallel_sweep(MISSING, random_seeds=[]), r"random_seeds=\[\] is empty"),
 ])

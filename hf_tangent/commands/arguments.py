@@ -12,9 +12,12 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import operator
 import os
 import re
 import textwrap
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -98,6 +101,12 @@ class CalibrationTextArguments(Checked):
                 f"See {DOCS}recipes.md#the-mixed-corpus"})
 
 
+@dataclass
+class CalibrationFilesArguments(Checked):
+    calibration_files: list[str] | None = field(default=None, metadata={
+        "help": "calibration text files (default: the Austen calibration novels)"})
+
+
 def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None,
                 corpus: str | None = None) -> TextSource:
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
@@ -150,25 +159,92 @@ def preflight(*groups, output_dir: str | None = None, device: str | None = None)
         check_output_dir(output_dir)
 
 
-def experiment_command(subparsers, name: str, options_class, help: str, experiment, docs: str | None = None, **run):
-    """A command that runs one experiment (`experiment`, a recipe function, which gives the defaults: add_command)
-    on held-out text: the model, the text, the run and its own options; `run`: run_experiment's keywords."""
-    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, options_class), help,
+# What the shared dataclasses (and the command itself: model, text) declare for every analysis.
+SHARED_PARAMETERS = frozenset({"model", "tokenizer", "text", "seq_len", "max_windows", "batch_size", "dtype", "device",
+                               "seed", "progress"})
+
+
+def documented(function) -> dict[str, str]:
+    """Each parameter's help in `function`'s docstring: the lines `name: text` after the one that starts with
+    `Args:` (continued on lines indented deeper; `a, b: text` documents both)."""
+    lines = (inspect.getdoc(function) or "").splitlines()
+    lines = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("Args:")), len(lines)):]
+    helps, names = {}, []
+    for line in lines:
+        if not line.startswith("    "):  # the section ends
+            break
+        if line.startswith("     ") and names:
+            for name in names:
+                helps[name] += " " + line.strip()
+            continue
+        head, _, text = line.strip().partition(": ")
+        names = [name.strip() for name in head.split(",")]
+        helps.update(dict.fromkeys(names, text))
+    return helps
+
+
+def _command_type(hint, help: str) -> tuple:
+    """The annotation as HfArgumentParser reads it, and the field's metadata: a path is given as a str
+    (`str | os.PathLike | None` -> `str | None`); `list[Literal[...]]` -> `list[str]`, the literals its choices;
+    choices with a space in them ('soft beta=0.5') are listed in the help, after a NAME."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and os.PathLike in args:
+        hint = functools.reduce(operator.or_, [a for a in args if a is not os.PathLike])
+    item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+    metadata = {"help": help}
+    if typing.get_origin(item) is Literal:
+        hint, metadata["choices"] = list[str], list(typing.get_args(item))
+    choices = metadata.get("choices") or [c for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is Literal
+                                          for c in typing.get_args(a)]
+    if any(" " in str(choice) for choice in choices):
+        metadata |= {"help": f"{help}: {'; '.join(choices)}", "metavar": "NAME"}
+    return hint, metadata
+
+
+@functools.cache
+def options_dataclass(function, *, skip: frozenset[str] = SHARED_PARAMETERS) -> type:
+    """The command's own options, made from the recipe function it runs: each keyword parameter not in `skip`, with
+    its annotation, its default, its help (the docstring's Args) and its ranges (`validated`'s). One declaration:
+    the function's; the command line, a recipe file and the Python call check the same values."""
+    hints, helps, fields = typing.get_type_hints(function), documented(function), []
+    for name, parameter in inspect.signature(function).parameters.items():
+        if parameter.kind is not parameter.KEYWORD_ONLY or name in skip:
+            continue
+        if name not in helps:
+            raise TypeError(f"{function.__name__}: parameter {name!r} is not in its docstring's Args (a command's help)")
+        hint, metadata = _command_type(hints[name], helps[name])
+        default = parameter.default
+        fields.append((name, hint, field(default_factory=functools.partial(list, default), metadata=metadata)
+                       if isinstance(default, (list, tuple)) else field(default=default, metadata=metadata)))
+    title = "".join(word.title() for word in function.__name__.split("_"))
+    return dataclasses.make_dataclass(f"{title}Arguments", fields, bases=(Checked,), namespace={
+        "RANGES": getattr(function, "__ranges__", {}), "EMPTY": getattr(function, "__empty__", {}),
+        "__module__": function.__module__})
+
+
+def experiment_command(subparsers, name: str, help: str, experiment, docs: str | None = None, extra=(), own=None,
+                       **run):
+    """A command that runs one experiment (`experiment`, a recipe function, which declares the command's own options:
+    options_dataclass; `own`: a dataclass of its own instead) on held-out text: the model, the text, the run, `extra`
+    dataclasses and its own options; `run`: run_experiment's keywords."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, *extra,
+                                          own or options_dataclass(experiment)), help,
                        functools.partial(run_experiment, experiment=experiment, **run), docs=docs,
                        recipe_function=experiment)
 
 
-def run_experiment(args, experiment, *, options=dataclasses.asdict, text=lambda text, own: text_source(text)) -> int:
-    """Run `experiment` (a function of experiments/) for an experiment_command: the model, the text (`text`), the
-    run's shared sizes it takes, and `options(own)` (default: every field of the command's own options, under its
-    name); its report saved into --output_dir."""
-    model, text_args, run, own = dataclasses_of(args.parser, args)
-    preflight(text_args, run, own, output_dir=run.output_dir, device=run.device)
+def run_experiment(args, experiment, *, options=dataclasses.asdict, text=None) -> int:
+    """Run `experiment` (a function of experiments/) for an experiment_command: the model, the text (`text(text, own)`;
+    default: the held-out text and an extra dataclass's calibration files), the run's shared sizes it takes, and
+    `options(own)` (default: every field of the command's own options, under its name); its report saved into
+    --output_dir."""
+    model, text_args, run, *extra, own = dataclasses_of(args.parser, args)
+    preflight(text_args, run, *extra, own, output_dir=run.output_dir, device=run.device)
     shared = {"seq_len": text_args.seq_len, "max_windows": text_args.max_windows, "batch_size": run.batch_size,
               "dtype": model.dtype, "device": run.device, "seed": run.seed}
     taken = inspect.signature(experiment).parameters
-    report = experiment(model.model, text=text(text_args, own), **{k: v for k, v in shared.items() if k in taken},
-                        **options(own))
+    source = text_source(text_args, *extra) if text is None else text(text_args, own)
+    report = experiment(model.model, text=source, **{k: v for k, v in shared.items() if k in taken}, **options(own))
     report.save(run.output_dir, echo=True)
     return 0
 

@@ -23,7 +23,7 @@ class EvalArguments(Checked):
 
 
 def eval_command_parser(subparsers):
-    return experiment_command(subparsers, "eval", EvalArguments,
-                              "perplexity of the unpatched model and of each update rule on held-out text", evaluate_rules,
+    return experiment_command(subparsers, "eval", "perplexity of the unpatched model and of each update rule on "
+                              "held-out text", evaluate_rules, own=EvalArguments,
                               options=lambda own: {"rules": own.updates},
                               text=lambda text, own: text_source(text, corpus=own.corpus))

@@ -1,9 +1,18 @@
-"""Analyses of a frozen model: `ablate`, `diagnose_layers`, `layer_sensitivity`, `parallel_sweep`."""
+"""Analyses of a frozen model: `ablate`, `diagnose_layers`, `layer_sensitivity`, `parallel_sweep`.
+
+The arguments they share (and geometry.py's analyses):
+    model, tokenizer: a model name (offline name, folder, hub id), or a loaded model with its tokenizer.
+    text: a `TextSource`, a list of documents, or None (the Austen novels).
+    seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
+    dtype, device, seed: for a model loaded by name; progress: show a progress bar.
+Each function's own are in its docstring's `Args:`, one per line: an analysis command's help (commands/analyses.py).
+"""
 
 from __future__ import annotations
 
 import copy
 import os
+from typing import Literal
 
 import torch
 
@@ -33,6 +42,8 @@ from .common import (
 )
 from .report import Report, register_report
 
+Ablation = Literal[ABLATIONS]
+UpdateName = Literal[tuple(update_variants())]
 ABLATE_RANGES = {"bootstrap": at_least(1)}
 PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1),
                          "budget": Range(0)}  # budget 0: only conversions that lose nothing
@@ -49,19 +60,17 @@ def _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed, *,
 
 @validated(ABLATE_RANGES)
 @entry_point(patched_model="refused")
-def ablate(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, variants: list[str] = ABLATIONS, layerwise: bool = False,
+def ablate(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, variants: list[Ablation] = ABLATIONS, layerwise: bool = False,
            bootstrap: int = 2000, seq_len: int = 512, max_windows: int = 8, batch_size: int = 1,
            dtype: DType = "float32", device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
     """Loss increase of zero-FFN, radial-only, tangential-only and attention-zero over the full model,
     in all layers (and one layer at a time with `layerwise`), with paired bootstrap intervals over
     windows (`bootstrap` resamples, >= 1). The `ablate` report.
 
-    Args (shared by the analyses):
-        model, tokenizer: a model name (offline name, folder, hub id), or a loaded model with its tokenizer.
-        text: a `TextSource`, a list of documents, or None (the Austen novels).
-        seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
-        dtype, device, seed: for a model loaded by name; progress: show a progress bar.
-        variants: ablations (ablation.VARIANTS); layerwise: also one layer at a time.
+    Args: the shared ones (this module's docstring), and
+        variants: ablations to run
+        layerwise: also ablate one layer at a time (layers x variants forward passes)
+        bootstrap: bootstrap resamples for the 95% intervals
     """
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     clock = Clock()
@@ -75,22 +84,17 @@ def ablate(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, vari
 
 @validated({"layers": LAYER_INDICES})
 @entry_point(patched_model="as is")
-def diagnose_layers(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, update: str | None = None, layers: list[int] | None = None,
+def diagnose_layers(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, update: UpdateName | None = None, layers: list[int] | None = None,
                     seq_len: int = 512, max_windows: int = 8, batch_size: int = 1, dtype: DType = "float32",
                     device: str | None = None, seed: int = 0, progress: bool = True) -> Report:
     """Per-layer radial fraction, norms, angles, diversity and deficit (math.md section 4) of the model,
     or of the model patched with the update variant `update`. The `diagnose` report.
 
-    Args (shared by the analyses):
-        model, tokenizer: a model name (offline name, folder, hub id), or a loaded model with its tokenizer.
-        text: a `TextSource`, a list of documents, or None (the Austen novels).
-        seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
-        dtype, device, seed: for a model loaded by name; progress: show a progress bar.
-        update: an update variant name (evaluation.update_variants()) or None; layers: which (None = all).
+    Args: the shared ones (this module's docstring), and
+        update: diagnose the model patched with this update variant (default: unpatched)
+        layers: layers to observe (default all)
     """
     variants = update_variants()
-    if update is not None and update not in variants:
-        raise ValueError(f"unknown update variant {update!r}; accepted: {', '.join(variants)}.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     if update and variants[update] is not None:
         refuse_patched(model, "diagnose_layers")  # update= patches the unpatched model (undone on return)
@@ -111,11 +115,7 @@ def layer_sensitivity(model: Model, tokenizer: Tokenizer = None, *, text: Text =
     """C_l, the FFN input-sensitivity of every layer, on calibration text (`text.calibration_files`,
     default: the Austen calibration novels). The `sensitivity` report.
 
-    Args (shared by the analyses):
-        model, tokenizer: a model name (offline name, folder, hub id), or a loaded model with its tokenizer.
-        text: a `TextSource`, a list of documents, or None (the Austen novels).
-        seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
-        dtype, device, seed: for a model loaded by name; progress: show a progress bar.
+    Args: the shared ones (this module's docstring).
     """
     model, _, name, text, calibration, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device,
                                                     seed, calibration=True)
@@ -137,15 +137,14 @@ def parallel_sweep(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     random and greedy orders; the largest set within `budget` nats; its estimated and measured
     speed. The `parallel-sweep` report.
 
-    Args (shared by the analyses):
-        model, tokenizer: a model name (offline name, folder, hub id), or a loaded model with its tokenizer.
-        text: a `TextSource`, a list of documents, or None (the Austen novels).
-        seq_len, max_windows, batch_size: windows of `seq_len` tokens, at most `max_windows`, per pass.
-        dtype, device, seed: for a model loaded by name; progress: show a progress bar.
-        calibration_windows: windows of calibration text for C_l, the greedy order and the budget.
-        ks: numbers of converted layers (default 0..L); random_seeds: seeds of the random order.
-        greedy, greedy_max_k: the loss-aware order, up to greedy_max_k layers.
-        budget: nats/token for the recommendation; speed: also measure its speed.
+    Args: the shared ones (this module's docstring), and
+        calibration_windows: calibration windows (C_l, greedy, budget)
+        ks: numbers of converted layers to evaluate (default 0..L)
+        random_seeds: seeds of the random order
+        greedy: also the loss-aware greedy selection (O(L^2) evaluations)
+        greedy_max_k: stop the greedy selection after this many layers
+        budget: loss budget (nats/token) for the recommendation
+        speed: measure T_A, T_Phi and the end-to-end latency of the recommended conversion
     """
     model, tokenizer, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     calibration = windows(model, tokenizer, text.calibration_only_documents(), seq_len, calibration_windows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from typing import Literal
 
 import torch
 
@@ -54,7 +55,7 @@ def _layers(model, layers):
 @validated(CRITICAL_RANGES)
 @entry_point(patched_model="refused")
 def critical(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, layers: list[int] | None = None, fields: list[str] = FIELDS,
-             protocol: str = "refined", random_starts: int = 32, token_starts: int = 32, steps: int = 300,
+             protocol: Literal[PROTOCOLS] = "refined", random_starts: int = 32, token_starts: int = 32, steps: int = 300,
              threshold: float = 0.05, tol: float = 1e-8, max_iter: int = 20, rel_tol: float = 1e-2, seq_len: int = 256,
              max_windows: int = 2, dtype: DType = "float32", device: str | None = None, seed: int = 0,
              progress: bool = True) -> Report:
@@ -68,14 +69,23 @@ def critical(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, la
     The `critical` report; its `tensors` (critical_directions.safetensors) hold every reported
     direction, key `layer{L}.{field}`, rows in the report's order.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
-        steps: Adam steps per start; threshold: the search's zero-score threshold (the paper's 0.05).
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+        layers: layers to analyse (default all)
+        fields: reduced fields: attention (OV-only), ffn (FFN-only), full (their sum)
+        protocol: refined: roots of P_u F refined in float64 to a zero score < --tol (critical directions); paper:
+            the paper's thresholded near-invariant directions (score < --threshold), for a like-for-like Table 2
+        random_starts: random Gaussian starts per layer and field
+        token_starts: real token directions (block inputs) as starts
+        steps: Adam steps per start before the refinement
+        threshold: search threshold: starts whose zero score ||P_u F|| / ||F|| ends below it are refined (refined)
+            or counted as candidates (paper)
+        tol: refined: a root's zero score must fall below this (float64)
+        max_iter: refined: Newton / Levenberg-Marquardt steps per start
+        rel_tol: paper: |Re lambda| below rel_tol x spectral radius counts as zero (refined types by sign)
     """
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown fields {bad}; accepted: {', '.join(FIELDS)}.")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}.")
     if random_starts + token_starts == 0:
         raise ValueError("random_starts=0, token_starts=0: accepted: at least one start.")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
@@ -155,9 +165,10 @@ def pressure(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, fa
     most aggregation pressure), for every FFN variant (full, tangential-only, radial-only, zero).
     The `pressure` report.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
-        factors: attention logit-scale factors (>= 0); variants: FFN variants in all layers;
-        layers: the layers whose diversity is recorded (None = all).
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+        factors: attention logit-scale factors (1: the model, 0: uniform averaging = most pressure)
+        variants: FFN variants in all layers: full, tangential_only, radial_only, zero_ffn
+        layers: layers whose diversity is recorded (default all)
     """
     bad = [v for v in variants if v not in ABLATIONS or v == "attention_zero"]
     if bad or not variants:
@@ -202,9 +213,11 @@ def ffn_jacobian(model: Model, tokenizer: Tokenizer = None, *, text: Text = None
     with `ablation_report` (an `ablate --layerwise` report.json), the per-layer ablation costs, with
     Spearman correlations. The `ffn-jacobian` report.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed);
-        layers: which (None = all); tokens: sampled FFN inputs per layer; top_k: hidden units counted
-        in the keys/values view; ablation_report: path of an `ablate --layerwise` report.json.
+    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+        layers: layers to analyse (default all)
+        tokens: sampled tokens per layer (one d x d Jacobian each)
+        top_k: hidden units counted in the keys/values view
+        ablation_report: report.json of `hf-tangent ablate --layerwise`, to set the per-layer ablation costs beside
     """
     costs = _ablation_costs(ablation_report) if ablation_report else {}
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
