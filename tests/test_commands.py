@@ -98,6 +98,35 @@ def test_the_settings_a_command_builds_have_their_own_defaults():
     assert {k: parsed[k] for k in settings} == settings
 
 
+def test_heal_and_finetune_pass_the_settings_objects_their_options_declare(tmp_path):
+    """heal's loss and homotopy options are HealSettings' fields and the LoRA options LoraSettings' (with `lora_`):
+    declared once, in those dataclasses (help included); the command passes the very objects a Python caller would
+    build from the same values (a list of targets kept as the tuple LoraSettings holds)."""
+    from hf_tangent.commands.arguments import dataclasses_of
+    from hf_tangent.experiments.finetune import LoraSettings
+    from hf_tangent.experiments.heal import HealSettings
+
+    _, parsers = cli.build_parser()
+    passed = {}
+    for argv in (["heal", "--temperature", "2", "--stages", "2", "--lora-r", "4", "--lora-targets", "q_proj",
+                  "--seeds", "3"], ["finetune", "--lora-alpha", "8", "--method", "full", "--updates", "projected"]):
+        parser = parsers[argv[0]]
+        args = parser.parse_args([*argv[1:], "--output_dir", str(tmp_path / "out")])
+        made = dataclasses_of(parser, args)  # model, text, calibration text, *own, training
+        own, training = made[3:-1], made[-1]
+        options = parser.get_default("func").__wrapped__.keywords["options"]  # what run_training calls
+        passed[argv[0]] = options(*own, training)
+    assert passed["heal"]["settings"] == HealSettings(temperature=2.0, stages=2)
+    assert passed["heal"]["lora"] == LoraSettings(r=4, targets=("q_proj",)) and passed["heal"]["seeds"] == [3]
+    assert passed["finetune"]["lora"] == LoraSettings(alpha=8) and passed["finetune"]["method"] == "full"
+    assert passed["finetune"]["rules"] == ["projected"]
+    assert LoraSettings(targets=["q_proj"]).targets == ("q_proj",)
+    helps = {a.dest: a.help for a in parsers["heal"]._actions}
+    for cls, prefix in ((HealSettings, ""), (LoraSettings, "lora_")):
+        for f in dataclasses.fields(cls):
+            assert helps[prefix + f.name] == f.metadata["help"].replace("%", "%%"), f.name
+
+
 @pytest.mark.parametrize("argv, command, message", [
     (["eval", "--device", "cuda"], "eval", "CUDA is not available here"),
     (["eval", "--device", "gpu0"], "eval", "is not a device"),

@@ -299,7 +299,7 @@ def test_heal_recipes_parse(recipe):
     from hf_tangent import cli
 
     args = cli.parse_args(["heal", "--recipe", recipe])
-    model, text, calibration, options, training = cli_dataclasses(args)
+    model, text, calibration, options, *_, training = cli_dataclasses(args)
     steps = 120 if recipe == "heal_long" else 60
     assert options.update in ("projected", "add") and training.max_steps == steps and model.model == "smollm2-135m"
     if recipe == "heal_parallel":

@@ -185,12 +185,13 @@ def documented(function) -> dict[str, str]:
 
 def _command_type(hint, help: str) -> tuple:
     """The annotation as HfArgumentParser reads it, and the field's metadata: a path is given as a str
-    (`str | os.PathLike | None` -> `str | None`); `list[Literal[...]]` -> `list[str]`, the literals its choices;
-    choices with a space in them ('soft beta=0.5') are listed in the help, after a NAME."""
+    (`str | os.PathLike | None` -> `str | None`), a tuple as a list; `list[Literal[...]]` -> `list[str]`, the
+    literals its choices; choices with a space in them ('soft beta=0.5') are listed in the help, after a NAME."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and os.PathLike in args:
         hint = functools.reduce(operator.or_, [a for a in args if a is not os.PathLike])
-    item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+    item = typing.get_args(hint)[0] if typing.get_origin(hint) in (list, tuple) else None
+    hint = hint if item is None else list[item]
     metadata = {"help": help}
     if typing.get_origin(item) is Literal:
         hint, metadata["choices"] = list[str], list(typing.get_args(item))
@@ -201,25 +202,47 @@ def _command_type(hint, help: str) -> tuple:
     return hint, metadata
 
 
+def _option(name: str, hint, help: str, default) -> tuple:
+    """A field of a command's options dataclass (a list default copied for each instance)."""
+    hint, metadata = _command_type(hint, help)
+    return name, hint, (field(default_factory=functools.partial(list, default), metadata=metadata)
+                        if isinstance(default, (list, tuple)) else field(default=default, metadata=metadata))
+
+
 @functools.cache
-def options_dataclass(function, *, skip: frozenset[str] = SHARED_PARAMETERS) -> type:
-    """The command's own options, made from the recipe function it runs: each keyword parameter not in `skip`, with
-    its annotation, its default, its help (the docstring's Args) and its ranges (`validated`'s). One declaration:
-    the function's; the command line, a recipe file and the Python call check the same values."""
+def options_dataclass(function, *, skip: frozenset[str] = SHARED_PARAMETERS, names: tuple[str, ...] | None = None
+                      ) -> type:
+    """The command's own options, made from the recipe function it runs: each keyword parameter not in `skip` (or
+    each of `names`), with its annotation, its default, its help (the docstring's Args) and its ranges (`validated`'s).
+    One declaration: the function's; the command line, a recipe file and the Python call check the same values."""
     hints, helps, fields = typing.get_type_hints(function), documented(function), []
     for name, parameter in inspect.signature(function).parameters.items():
-        if parameter.kind is not parameter.KEYWORD_ONLY or name in skip:
+        if parameter.kind is not parameter.KEYWORD_ONLY or (name in skip if names is None else name not in names):
             continue
         if name not in helps:
             raise TypeError(f"{function.__name__}: parameter {name!r} is not in its docstring's Args (a command's help)")
-        hint, metadata = _command_type(hints[name], helps[name])
-        default = parameter.default
-        fields.append((name, hint, field(default_factory=functools.partial(list, default), metadata=metadata)
-                       if isinstance(default, (list, tuple)) else field(default=default, metadata=metadata)))
+        fields.append(_option(name, hints[name], helps[name], parameter.default))
     title = "".join(word.title() for word in function.__name__.split("_"))
     return dataclasses.make_dataclass(f"{title}Arguments", fields, bases=(Checked,), namespace={
         "RANGES": getattr(function, "__ranges__", {}), "EMPTY": getattr(function, "__empty__", {}),
         "__module__": function.__module__})
+
+
+@functools.cache
+def prefixed(cls, prefix: str) -> type:
+    """An options dataclass's fields as command-line options under `prefix` (LoraSettings.r -> --lora_r): the same
+    types, defaults, help (its fields' metadata) and ranges; `.settings()` makes the `cls` they stand for."""
+    hints = typing.get_type_hints(cls)
+    fields = [_option(prefix + f.name, hints[f.name], f.metadata["help"],
+                      f.default if f.default is not dataclasses.MISSING else f.default_factory())
+              for f in dataclasses.fields(cls) if f.init]
+
+    def settings(self):
+        return cls(**{name.removeprefix(prefix): value for name, value in vars(self).items()})
+
+    return dataclasses.make_dataclass(f"{cls.__name__}Arguments", fields, bases=(Checked,), namespace={
+        "RANGES": {prefix + k: v for k, v in getattr(cls, "RANGES", {}).items()}, "settings": settings,
+        "__module__": cls.__module__})
 
 
 def experiment_command(subparsers, name: str, help: str, experiment, docs: str | None = None, extra=(), own=None,
@@ -249,11 +272,12 @@ def run_experiment(args, experiment, *, options=dataclasses.asdict, text=None) -
     return 0
 
 
-def training_command(subparsers, name: str, options_class, training_class, help: str, experiment, options,
+def training_command(subparsers, name: str, own: tuple, training_class, help: str, experiment, options,
                      docs: str | None = None):
     """A command that trains (`experiment`, a recipe function, which gives the defaults: add_command): the model,
-    the held-out and the training text, its own options (`options(own, training)`: run_training), the Trainer's."""
-    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, CalibrationTextArguments, options_class,
+    the held-out and the training text, its own options (the dataclasses `own`; `options(*own, training)`:
+    run_training), the Trainer's."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, CalibrationTextArguments, *own,
                                           training_class), help,
                        functools.partial(run_training, experiment=experiment, options=options), docs=docs,
                        recipe_function=experiment)
@@ -261,9 +285,9 @@ def training_command(subparsers, name: str, options_class, training_class, help:
 
 def run_training(args, experiment, options) -> int:
     """Run `experiment` for a training_command: the model, the text, the sizes, the TrainingArguments and
-    `options(own, training)`; the report saved into --output_dir by the main process."""
-    model, text, calibration, own, training = dataclasses_of(args.parser, args)
-    kwargs = options(own, training)
+    `options(*own, training)`; the report saved into --output_dir by the main process."""
+    model, text, calibration, *own, training = dataclasses_of(args.parser, args)
+    kwargs = options(*own, training)
     preflight(text, calibration, training, output_dir=training.output_dir)
     report = experiment(model.model, text=text_source(text, calibration), seq_len=text.seq_len,
                         max_windows=text.max_windows, train_windows=calibration.train_windows, training_args=training,

@@ -29,7 +29,7 @@ class CalibrateArguments(Checked):
 
 
 def calibrate_command_parser(subparsers):
-    return training_command(subparsers, "calibrate", CalibrateArguments, TangentTrainingArguments,
+    return training_command(subparsers, "calibrate", (CalibrateArguments,), TangentTrainingArguments,
                             "train one scalar FFN gate per layer, all weights frozen", calibrate_gates, _options,
                             docs="math.md#5-layerwise-ffn-gates")
 

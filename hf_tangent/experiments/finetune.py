@@ -8,7 +8,7 @@ import gc
 import math
 import os
 import statistics
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ..analysis.evaluation import perplexity, update_variants
 from ..analysis.stats import paired_summary
@@ -55,12 +55,14 @@ class LoraSettings:
 
     RANGES: ClassVar[dict[str, Range]] = {"r": at_least(1), "alpha": at_least(1)}
 
-    r: int = 8
-    alpha: int = 16
-    targets: tuple[str, ...] = ("q_proj", "v_proj", "up_proj", "down_proj")
+    r: int = dataclasses.field(default=8, metadata={"help": "LoRA rank"})
+    alpha: int = dataclasses.field(default=16, metadata={"help": "LoRA alpha"})
+    targets: tuple[str, ...] = dataclasses.field(default=("q_proj", "v_proj", "up_proj", "down_proj"), metadata={
+        "help": "LoRA target modules (names of the model's Linear layers)"})
 
     def __post_init__(self):
         check_ranges(self)
+        self.targets = tuple(self.targets)  # a list given (the command line's) is kept as the tuple it means
 
 
 def finetune_summary(runs: list[dict], baseline: str = "unpatched") -> list[dict]:
@@ -114,7 +116,7 @@ def _run(model, first, tokenizer, rule, seed, tangent, method, lora, dataset, he
 @validated()
 @entry_point(patched_model="refused")
 def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, rules: list[str] = DEFAULT_RULES, seeds: list[int] = (0, 1),
-             method: str = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,
+             method: Literal["lora", "full"] = "lora", lora: LoraSettings | None = None, seq_len: int = 512, max_windows: int = 8,
              train_windows: int = 64, training_args: TangentTrainingArguments | None = None,
              eval_batch_size: int | None = None, dtype: DType = "float32", save_models: bool = False) -> Report:
     """Fine-tune the unpatched model and every rule's patched model with the same data order, steps
@@ -122,14 +124,13 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
 
     Args:
         model: a model name (loaded afresh for every run) or a loaded model (deep-copied per run).
-        rules: update variants trained besides the unpatched model; seeds: one run per seed and rule.
-        method: "lora" (PEFT LoRA with `lora` settings) or "full".
+        rules: update variants trained besides the unpatched model.
+        seeds: one run per seed and variant
+        method: LoRA (PEFT, with the lora settings) or full fine-tuning
         training_args: Trainer settings; each run writes to output_dir/runs/<rule>-seed<seed>.
         save_models: write every patched run's final model: with LoRA a patch repo (runs/<rule>-seed<k>/patch,
-            adapters unmerged), with full fine-tuning the complete folder (runs/<rule>-seed<k>/model).
+            adapters unmerged), with full fine-tuning the complete folder (runs/<rule>-seed<k>/model)
     """
-    if method not in ("lora", "full"):
-        raise ValueError(f"method={method!r}; accepted: 'lora', 'full'.")
     variants = update_variants()
     unknown = [r for r in rules if r not in variants]
     if unknown:

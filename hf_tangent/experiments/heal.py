@@ -72,12 +72,17 @@ class HealSettings:
     RANGES: ClassVar[dict[str, Range]] = {"temperature": TEMPERATURE, "lm_weight": Range(0, 1),
                                           "homotopy_fraction": Range(0, 1), "stages": at_least(1)}
 
-    method: Literal["lora", "full"] = "lora"  # "lora" (teacher: the same model, patch and adapters off) or "full"
-    temperature: float = 1.0
-    lm_weight: float = 0.0
-    homotopy_fraction: float = 0.5
-    schedule: HomotopySchedule = "linear"
-    stages: int = 1
+    method: Literal["lora", "full"] = dataclasses.field(default="lora", metadata={
+        "help": "LoRA (teacher: the same model, patch and adapters off) or full fine-tuning (teacher: a frozen copy)"})
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "distillation temperature T (loss T^2 KL)"})
+    lm_weight: float = dataclasses.field(default=0.0, metadata={
+        "help": "weight of the LM loss mixed with the KL, in [0, 1]"})
+    homotopy_fraction: float = dataclasses.field(default=0.5, metadata={
+        "help": "fraction of the steps over which the patch moves from the identity to the target (0: direct)"})
+    schedule: HomotopySchedule = dataclasses.field(default="linear", metadata={"help": "homotopy schedule"})
+    stages: int = dataclasses.field(default=1, metadata={
+        "help": "progressive healing: the patched layers in this many groups (depth order), each moved to the "
+                "target in turn during the homotopy (1: all layers at once)"})
 
     def __post_init__(self):
         check_ranges(self)  # method and schedule are choices (Literal), the numbers ranges: core/options.py
@@ -215,11 +220,14 @@ def heal(model: Model, tangent: TangentConfig, tokenizer: Tokenizer = None, *, t
         seq_len, max_windows: held-out windows of seq_len tokens, max_windows per held-out domain;
             train_windows: training windows in all, shared equally by the training domains.
         settings: method (lora / full), loss (temperature, lm_weight) and homotopy.
+        seeds: one run per seed
         training_args: Trainer settings; run k writes to output_dir/runs/seed<k>.
         save_models: write every healed model's patch: with LoRA a patch repo (the patch and the adapters,
             unmerged, runs/seed<k>/patch); with full fine-tuning, whose weights moved, the complete folder
             (runs/seed<k>/model). Its card states the measured NLL.
-        save_full_models: also write the complete folder (LoRA merged) for LoRA runs.
+        save_full_models: also write every healed model as a complete folder (LoRA merged, remote code) in
+            runs/seed<k>/model
+        prompt: prompt of the generated sample before / after
     """
     if not isinstance(tangent, TangentConfig):
         raise TypeError(f"heal expects a TangentConfig to heal, got {type(tangent).__name__}.")
