@@ -119,7 +119,11 @@ def _parameters(function) -> list[str]:
 
 @functools.cache
 def options_of(owner) -> dict[str, Option]:
-    """The checked options of a `validated` function or an options dataclass, by name."""
+    """The checked options of a `validated` function or an options dataclass, by name (a dataclass made from a
+    function's parameters, `__options_of__`: the function's, so that both refuse a value in the same words)."""
+    source = getattr(owner, "__options_of__", None)
+    if source is not None:
+        return {f.name: options_of(source)[f.name] for f in dataclasses.fields(owner)}
     if dataclasses.is_dataclass(owner):
         return dataclass_options(owner, OPTIONS)
     parameters = inspect.signature(owner).parameters

@@ -402,20 +402,56 @@ def test_an_undocumented_parameter_cannot_become_an_option():
         """
 
     with pytest.raises(TypeError, match="probe: parameter 'depth' is not in its docstring's Args"):
-        options_dataclass(probe)
+        options_dataclass(probe, __name__)
 
     @validated()
-    def documented(model, *, text=None, steps: int = 3, depth: int = 2):
+    def documented(model, *, text=None, steps: int = 3, depth: int = 2, width: int = 1, height: int = 4):
         """A probe.
 
         Args: as the other analyses, and
-            steps: how many
+
+            model, text: the shared ones
+            steps (int): how many
                 steps, in all
-            depth: how deep
+
+            depth:
+                how deep
+            width: how wide, counted
+            the way the paper counts
+            height: how high
         """
 
-    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(options_dataclass(documented))}
-    assert fields == {"steps": "how many steps, in all", "depth": "how deep"}
+    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(options_dataclass(documented, __name__))}
+    assert fields == {"steps": "how many steps, in all", "depth": "how deep",
+                      "width": "how wide, counted the way the paper counts", "height": "how high"}
+
+    @validated()
+    def misread(model, *, steps: int = 3):
+        """A probe whose continuation line looks like an entry.
+
+        Args:
+            steps: how many; refined
+            values: are read as a parameter
+        """
+
+    with pytest.raises(TypeError, match=r"misread: its docstring's Args name \['values'\], which are not its"):
+        options_dataclass(misread, __name__)
+
+
+def test_the_generated_options_classes_pickle_and_refuse_what_their_function_refuses():
+    """A command's options made from its function are module-level classes (they pickle, as the hand-written ones
+    did) and check their values with the function's options: a typo in a choice is refused by the class too."""
+    import pickle
+
+    from hf_tangent.commands.analyses import AblateArguments
+    from hf_tangent.ranges import ChoiceError
+
+    for parser in cli.build_parser()[1].values():
+        for cls in parser.dataclass_types:
+            if cls.__module__.startswith("hf_tangent.commands") and cls.__name__ != "ExportArguments":
+                assert pickle.loads(pickle.dumps(cls())) == cls(), cls
+    with pytest.raises(ChoiceError, match=r"variants=\['typo'\] is not one of the choices"):
+        AblateArguments(variants=["typo"])
 
 
 @pytest.mark.parametrize("function, option, value", [
@@ -425,7 +461,31 @@ def test_a_choice_the_command_line_refuses_the_python_call_refuses_before_loadin
     """The choices are the function's annotation (a Literal), so ht.ablate(variants=[...]) refuses an unknown name
     in the command line's words, before the model name is looked up (it used to load first, and fail later)."""
     import hf_tangent as ht
+    from hf_tangent.ranges import ChoiceError
+
+    with pytest.raises(ChoiceError, match=f"{option}=.* is not one of the choices; accepted: .*(one of|values among) '"):
+        getattr(ht, function)("/nonexistent/hf_tangent_choice_probe", **{option: value})
+
+
+@pytest.mark.parametrize("command, key, value, words", [
+    ("ablate", "variants", ["full", "typo"], "is not one of the choices; accepted: a non-empty list of values among"),
+    ("ablate", "variants", ["full", 5], "has the wrong type"),
+    ("diagnose", "update", 5, "has the wrong type (int); accepted: one of 'unpatched'"),
+    ("diagnose", "update", True, "has the wrong type (bool); accepted: one of 'unpatched'"),
+    ("diagnose", "update", "typo", "is not one of the choices; accepted: one of 'unpatched'"),
+    ("critical", "protocol", 3, "has the wrong type (int); accepted: one of 'refined', 'paper'.")])
+def test_a_recipe_and_the_api_refuse_a_choice_in_the_same_words(command, key, value, words, tmp_path, capsys):
+    import yaml
+
+    import hf_tangent as ht
     from hf_tangent.ranges import RangeError
 
-    with pytest.raises(RangeError, match=f"{option}=.*accepted: .*(one of|values among) '"):
-        getattr(ht, function)("/nonexistent/hf_tangent_choice_probe", **{option: value})
+    function = {"ablate": ht.ablate, "diagnose": ht.diagnose_layers, "critical": ht.critical}[command]
+    with pytest.raises(RangeError) as api:
+        function("/nonexistent/hf_tangent_choice_probe", **{key: value})
+    assert words in str(api.value)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"command": command, key: value}))
+    code, err = run([command, "--recipe", str(recipe), "--output-dir", str(tmp_path / "out")], capsys)
+    assert_user_error(code, err, command, words)
+    assert str(api.value).split("; accepted: ")[1] in err and not (tmp_path / "out").exists()

@@ -101,12 +101,6 @@ class CalibrationTextArguments(Checked):
                 f"See {DOCS}recipes.md#the-mixed-corpus"})
 
 
-@dataclass
-class CalibrationFilesArguments(Checked):
-    calibration_files: list[str] | None = field(default=None, metadata={
-        "help": "calibration text files (default: the Austen calibration novels)"})
-
-
 def text_source(text: EvalTextArguments | None, calibration: CalibrationTextArguments | None = None,
                 corpus: str | None = None) -> TextSource:
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
@@ -164,22 +158,32 @@ SHARED_PARAMETERS = frozenset({"model", "tokenizer", "text", "seq_len", "max_win
                                "seed", "progress"})
 
 
+_ENTRY = re.compile(r"(?P<names>\w+(?:, \w+)*)(?: \([^)]*\))?:(?: (?P<text>.*))?")  # `a, b: text`, `a (int): text`
+
+
 def documented(function) -> dict[str, str]:
     """Each parameter's help in `function`'s docstring: the lines `name: text` after the one that starts with
-    `Args:` (continued on lines indented deeper; `a, b: text` documents both)."""
+    `Args:` (`a, b: text` documents both), each continued on the lines below it that are indented deeper or are not
+    of that form; blank lines are skipped and a line indented less ends the section. A name that is not a parameter
+    of `function` raises (a continuation line read as an entry)."""
     lines = (inspect.getdoc(function) or "").splitlines()
-    lines = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("Args:")), len(lines)):]
-    helps, names = {}, []
-    for line in lines:
-        if not line.startswith("    "):  # the section ends
-            break
-        if line.startswith("     ") and names:
-            for name in names:
-                helps[name] += " " + line.strip()
+    helps, names, indent = {}, [], None
+    for line in lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("Args:")), len(lines)):]:
+        depth = len(line) - len(line.lstrip())
+        if not line.strip():
             continue
-        head, _, text = line.strip().partition(": ")
-        names = [name.strip() for name in head.split(",")]
-        helps.update(dict.fromkeys(names, text))
+        indent = depth if indent is None else indent
+        if depth < indent or depth == 0:
+            break
+        entry = _ENTRY.fullmatch(line.strip()) if depth == indent else None
+        if entry is not None:
+            names = entry["names"].split(", ")
+            helps.update(dict.fromkeys(names, entry["text"] or ""))
+        for name in names if entry is None else ():
+            helps[name] = f"{helps[name]} {line.strip()}".strip()
+    unknown = sorted(set(helps) - set(inspect.signature(function).parameters))
+    if unknown:
+        raise TypeError(f"{function.__name__}: its docstring's Args name {unknown}, which are not its parameters")
     return helps
 
 
@@ -209,12 +213,13 @@ def _option(name: str, hint, help: str, default) -> tuple:
                         if isinstance(default, (list, tuple)) else field(default=default, metadata=metadata))
 
 
-@functools.cache
-def options_dataclass(function, *, skip: frozenset[str] = SHARED_PARAMETERS, names: tuple[str, ...] | None = None
-                      ) -> type:
+def options_dataclass(function, module: str, *, skip: frozenset[str] = SHARED_PARAMETERS,
+                      names: tuple[str, ...] | None = None) -> type:
     """The command's own options, made from the recipe function it runs: each keyword parameter not in `skip` (or
-    each of `names`), with its annotation, its default, its help (the docstring's Args) and its ranges (`validated`'s).
-    One declaration: the function's; the command line, a recipe file and the Python call check the same values."""
+    each of `names`), with its annotation, its default, its help (the docstring's Args) and its checks (the
+    function's: `__options_of__`). One declaration: the function's; the command line, a recipe file and the Python
+    call refuse the same values in the same words. `module` is the command's, which binds the class to its name
+    there (so that it pickles)."""
     hints, helps, fields = typing.get_type_hints(function), documented(function), []
     for name, parameter in inspect.signature(function).parameters.items():
         if parameter.kind is not parameter.KEYWORD_ONLY or (name in skip if names is None else name not in names):
@@ -223,13 +228,11 @@ def options_dataclass(function, *, skip: frozenset[str] = SHARED_PARAMETERS, nam
             raise TypeError(f"{function.__name__}: parameter {name!r} is not in its docstring's Args (a command's help)")
         fields.append(_option(name, hints[name], helps[name], parameter.default))
     title = "".join(word.title() for word in function.__name__.split("_"))
-    return dataclasses.make_dataclass(f"{title}Arguments", fields, bases=(Checked,), namespace={
-        "RANGES": getattr(function, "__ranges__", {}), "EMPTY": getattr(function, "__empty__", {}),
-        "__module__": function.__module__})
+    return dataclasses.make_dataclass(f"{title}Arguments", fields, bases=(Checked,),
+                                      namespace={"__options_of__": function, "__module__": module})
 
 
-@functools.cache
-def prefixed(cls, prefix: str) -> type:
+def prefixed(cls, prefix: str, module: str) -> type:
     """An options dataclass's fields as command-line options under `prefix` (LoraSettings.r -> --lora_r): the same
     types, defaults, help (its fields' metadata) and ranges; `.settings()` makes the `cls` they stand for."""
     hints = typing.get_type_hints(cls)
@@ -242,16 +245,14 @@ def prefixed(cls, prefix: str) -> type:
 
     return dataclasses.make_dataclass(f"{cls.__name__}Arguments", fields, bases=(Checked,), namespace={
         "RANGES": {prefix + k: v for k, v in getattr(cls, "RANGES", {}).items()}, "settings": settings,
-        "__module__": cls.__module__})
+        "__module__": module})
 
 
-def experiment_command(subparsers, name: str, help: str, experiment, docs: str | None = None, extra=(), own=None,
-                       **run):
-    """A command that runs one experiment (`experiment`, a recipe function, which declares the command's own options:
-    options_dataclass; `own`: a dataclass of its own instead) on held-out text: the model, the text, the run, `extra`
-    dataclasses and its own options; `run`: run_experiment's keywords."""
-    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, *extra,
-                                          own or options_dataclass(experiment)), help,
+def experiment_command(subparsers, name: str, help: str, experiment, own, docs: str | None = None, extra=(), **run):
+    """A command that runs one experiment (`experiment`, a recipe function) on held-out text: the model, the text, the
+    run, `extra` dataclasses and its own options (`own`: options_dataclass(experiment), or a dataclass of the
+    command's); `run`: run_experiment's keywords."""
+    return add_command(subparsers, name, (ModelArguments, EvalTextArguments, RunArguments, *extra, own), help,
                        functools.partial(run_experiment, experiment=experiment, **run), docs=docs,
                        recipe_function=experiment)
 
@@ -376,8 +377,14 @@ class _Number:
 
 
 def _accepted(dataclass_types) -> dict[str, str]:
-    """What each numeric option of these dataclasses accepts, in the words of ranges.Option."""
-    return {name: option.accepted for name, option in _options(dataclass_types).items() if option.range is not None}
+    """What each numeric option and each option with choices (a Literal) of these dataclasses accepts, in the words
+    of ranges.Option (the API's)."""
+    return {name: option.accepted for name, option in _options(dataclass_types).items()
+            if option.range is not None or _has_choices(option.hint)}
+
+
+def _has_choices(hint) -> bool:
+    return typing.get_origin(hint) is Literal or any(_has_choices(arg) for arg in typing.get_args(hint))
 
 
 def _options(dataclass_types) -> dict[str, Option]:
@@ -425,6 +432,9 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
         fail("a number")
     if kind == "str" and not isinstance(value, str):
         fail("a string")
+    if action.choices is not None and value is not None and not any(
+            type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str) for choice in action.choices):
+        fail("one of " + ", ".join(map(repr, action.choices)))  # a value of another type than the choices'
     if kind == "other" and action.type is not None and value is not None:
         try:
             action.type(value if isinstance(value, str) else str(value))

@@ -24,6 +24,6 @@ class EvalArguments(Checked):
 
 def eval_command_parser(subparsers):
     return experiment_command(subparsers, "eval", "perplexity of the unpatched model and of each update rule on "
-                              "held-out text", evaluate_rules, own=EvalArguments,
+                              "held-out text", evaluate_rules, EvalArguments,
                               options=lambda own: {"rules": own.updates},
                               text=lambda text, own: text_source(text, corpus=own.corpus))

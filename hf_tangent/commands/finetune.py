@@ -10,16 +10,20 @@ from .arguments import Checked, options_dataclass, prefixed, training_command
 
 
 @dataclass
-class FinetuneArguments(Checked):
+class FinetuneUpdatesArguments(Checked):
     updates: list[str] = field(default_factory=lambda: list(DEFAULT_RULES), metadata={
         "help": "update variants trained besides the unpatched model: " + "; ".join(update_variants()),
         "choices": list(update_variants()), "metavar": "NAME"})
 
 
+FinetuneArguments = options_dataclass(finetune, __name__, names=("seeds", "method", "save_models"))
+LoraSettingsArguments = prefixed(LoraSettings, "lora_", __name__)
+
+
 def finetune_command_parser(subparsers):
-    own = (FinetuneArguments, options_dataclass(finetune, names=("seeds", "method", "save_models")),
-           prefixed(LoraSettings, "lora_"))
-    return training_command(subparsers, "finetune", own, FinetuneTrainingArguments,
+    return training_command(subparsers, "finetune", (FinetuneUpdatesArguments, FinetuneArguments,
+                                                            LoraSettingsArguments),
+                            FinetuneTrainingArguments,
                             "the same fine-tuning for the unpatched model and each update rule; perplexity deltas",
                             finetune, lambda updates, own, lora, training: dict(rules=updates.updates, **vars(own),
                                                                                 lora=lora.settings()))

@@ -24,10 +24,13 @@ class HealPatchArguments(Checked):
         "help": "layers converted to parallel-residual form (with --update add: conversion only)"})
 
 
+HealArguments = options_dataclass(heal, __name__, names=("seeds", "save_models", "save_full_models", "prompt"))
+LoraSettingsArguments = prefixed(LoraSettings, "lora_", __name__)
+
+
 def heal_command_parser(subparsers):
-    own = (HealPatchArguments, HealSettings, options_dataclass(heal, names=("seeds", "save_models", "save_full_models",
-                                                                            "prompt")), prefixed(LoraSettings, "lora_"))
-    return training_command(subparsers, "heal", own, HealTrainingArguments,
+    return training_command(subparsers, "heal", (HealPatchArguments, HealSettings, HealArguments, LoraSettingsArguments),
+                            HealTrainingArguments,
                             "distil a patched model from its unpatched self (KL, homotopy); NLL before / after",
                             heal, _options)
 

@@ -64,6 +64,18 @@ def _same_kind(value, choice) -> bool:
     return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
 
 
+def _choice_kind(value, hint) -> bool:
+    """Whether `value` has the type of `hint`'s choices (a list: every item that of its item's choices), so that a
+    value `hint` refuses is a choice that does not exist, not a value of the wrong type."""
+    union = _union_args(hint)
+    if union is not None:
+        return any(_choice_kind(value, arg) for arg in union)
+    item = _sequence_item(hint)
+    if item is not None:
+        return isinstance(value, (list, tuple)) and bool(value) and all(_choice_kind(v, item) for v in value)
+    return any(_same_kind(value, choice) for choice in _choices(hint))
+
+
 def matches(value, hint) -> bool:
     """Whether `value` has the type `hint` says (unknown hints accept anything). A bool is not a
     number, a str is not a list, an int is a float."""
@@ -185,7 +197,7 @@ class Option:
 
     def check(self, value, check_type: bool = True) -> None:
         if check_type and not matches(value, self.hint):
-            if any(_same_kind(value, choice) for choice in _choices(self.hint)):
+            if _choice_kind(value, self.hint):
                 raise ChoiceError(self.name, value, self.accepted)
             raise OptionTypeError(self.name, value, self.accepted, number=numeric(self.hint))
         many = isinstance(value, (list, tuple)) and listed(self.hint)

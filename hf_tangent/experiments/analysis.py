@@ -67,10 +67,11 @@ def ablate(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, vari
     in all layers (and one layer at a time with `layerwise`), with paired bootstrap intervals over
     windows (`bootstrap` resamples, >= 1). The `ablate` report.
 
-    Args: the shared ones (this module's docstring), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, batch_size, dtype, device, seed, progress: as every analysis (this module's docstring).
         variants: ablations to run
         layerwise: also ablate one layer at a time (layers x variants forward passes)
-        bootstrap: bootstrap resamples for the 95% intervals
+        bootstrap: bootstrap resamples for the 95% intervals (>= 1)
     """
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
     clock = Clock()
@@ -90,7 +91,8 @@ def diagnose_layers(model: Model, tokenizer: Tokenizer = None, *, text: Text = N
     """Per-layer radial fraction, norms, angles, diversity and deficit (math.md section 4) of the model,
     or of the model patched with the update variant `update`. The `diagnose` report.
 
-    Args: the shared ones (this module's docstring), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, batch_size, dtype, device, seed, progress: as every analysis (this module's docstring).
         update: diagnose the model patched with this update variant (default: unpatched)
         layers: layers to observe (default all)
     """
@@ -115,7 +117,8 @@ def layer_sensitivity(model: Model, tokenizer: Tokenizer = None, *, text: Text =
     """C_l, the FFN input-sensitivity of every layer, on calibration text (`text.calibration_files`,
     default: the Austen calibration novels). The `sensitivity` report.
 
-    Args: the shared ones (this module's docstring).
+    Args:
+        model, tokenizer, text, seq_len, max_windows, batch_size, dtype, device, seed, progress: as every analysis (this module's docstring).
     """
     model, _, name, text, calibration, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device,
                                                     seed, calibration=True)
@@ -137,7 +140,8 @@ def parallel_sweep(model: Model, tokenizer: Tokenizer = None, *, text: Text = No
     random and greedy orders; the largest set within `budget` nats; its estimated and measured
     speed. The `parallel-sweep` report.
 
-    Args: the shared ones (this module's docstring), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, batch_size, dtype, device, seed, progress: as every analysis (this module's docstring).
         calibration_windows: calibration windows (C_l, greedy, budget)
         ks: numbers of converted layers to evaluate (default 0..L)
         random_seeds: seeds of the random order

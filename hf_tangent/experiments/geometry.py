@@ -12,7 +12,6 @@ from typing import Literal
 
 import torch
 
-from ..analysis.ablation import VARIANTS as ABLATIONS
 from ..analysis.geometry import (
     FIELDS,
     GAIN_REGIMES,
@@ -69,7 +68,8 @@ def critical(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, la
     The `critical` report; its `tensors` (critical_directions.safetensors) hold every reported
     direction, key `layer{L}.{field}`, rows in the report's order.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress: as every analysis (experiments/analysis.py).
         layers: layers to analyse (default all)
         fields: reduced fields: attention (OV-only), ffn (FFN-only), full (their sum)
         protocol: refined: roots of P_u F refined in float64 to a zero score < --tol (critical directions); paper:
@@ -157,7 +157,7 @@ def _critical_totals(rows: list[dict], fields) -> dict:
 @validated(PRESSURE_RANGES)
 @entry_point(patched_model="refused")
 def pressure(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, factors: list[float] = (1.0, 0.5, 0.25, 0.1, 0.0),
-             variants: list[str] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
+             variants: list[Literal[PRESSURE_VARIANTS]] = PRESSURE_VARIANTS, layers: list[int] | None = None, seq_len: int = 256,
              max_windows: int = 4, dtype: DType = "float32", device: str | None = None, seed: int = 0,
              progress: bool = True) -> Report:
     """Spherical diversity D before attention, after attention and after the FFN, per layer, as the
@@ -165,14 +165,12 @@ def pressure(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, fa
     most aggregation pressure), for every FFN variant (full, tangential-only, radial-only, zero).
     The `pressure` report.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress: as every analysis (experiments/analysis.py).
         factors: attention logit-scale factors (1: the model, 0: uniform averaging = most pressure)
-        variants: FFN variants in all layers: full, tangential_only, radial_only, zero_ffn
+        variants: FFN variants in all layers
         layers: layers whose diversity is recorded (default all)
     """
-    bad = [v for v in variants if v not in ABLATIONS or v == "attention_zero"]
-    if bad or not variants:
-        raise ValueError(f"FFN variants {bad or variants}; accepted: {', '.join(PRESSURE_VARIANTS)}.")
     if not factors:
         raise ValueError("pressure factors []; accepted: numbers >= 0 (1: the model's own scale).")
     model, _, name, text, held_out, env = _setup(model, tokenizer, text, seq_len, max_windows, dtype, device, seed)
@@ -213,7 +211,8 @@ def ffn_jacobian(model: Model, tokenizer: Tokenizer = None, *, text: Text = None
     with `ablation_report` (an `ablate --layerwise` report.json), the per-layer ablation costs, with
     Spearman correlations. The `ffn-jacobian` report.
 
-    Args: as the other analyses (model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress), and
+    Args:
+        model, tokenizer, text, seq_len, max_windows, dtype, device, seed, progress: as every analysis (experiments/analysis.py).
         layers: layers to analyse (default all)
         tokens: sampled tokens per layer (one d x d Jacobian each)
         top_k: hidden units counted in the keys/values view
