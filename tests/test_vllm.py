@@ -626,7 +626,7 @@ def test_lm_eval_on_vllm_refuses_a_perplexity_task_in_a_shorter_context(tmp_path
 def test_lm_eval_refuses_what_the_vllm_backend_cannot_take():
     """Checked before any model loads: an unknown backend, vllm_args with the hf backend or not a dict, and
     vllm_args that lm_eval sets itself."""
-    with pytest.raises(ValueError, match="backend='tgi'; accepted: 'hf', 'vllm'"):
+    with pytest.raises(ValueError, match="backend='tgi' is not one of the choices; accepted: one of 'hf', 'vllm'"):
         ht.lm_eval("no-such-model", backend="tgi")
     with pytest.raises(ValueError, match="vllm_args are for backend='vllm'"):
         ht.lm_eval("no-such-model", vllm_args={"enforce_eager": True})

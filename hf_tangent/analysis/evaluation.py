@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,9 @@ def update_variants() -> dict:
         "radial (ablation)": TangentConfig(update="radial"),
         "zero (ablation)": TangentConfig(update="zero"),
     }
+
+
+UpdateName = Literal[tuple(update_variants())]  # the names above, as an option's type (its choices)
 
 
 def evaluate_variants(model, windows: torch.Tensor, names: list[str] | None = None, *, batch_size: int = 1,

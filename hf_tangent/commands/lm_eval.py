@@ -3,36 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
-from ..analysis.evaluation import update_variants
 from ..experiments.downstream import lm_eval
-from ..integrations.harness.tasks import TASKS
-from ..ranges import Range, at_least
-from .arguments import DOCS, Checked, ModelArguments, RunArguments, add_command, dataclasses_of, preflight
+from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, options_dataclass, preflight
+
+LmEvalArguments = options_dataclass(lm_eval, __name__, names=("tasks", "variants", "model_folders", "include_path",
+                                                             "num_fewshot", "limit", "bootstrap", "backend"))
 
 
 @dataclass
-class LmEvalArguments(Checked):
-    RANGES: ClassVar[dict[str, Range]] = {"limit": at_least(1), "num_fewshot": at_least(0), "bootstrap": at_least(1)}
+class VllmArguments(Checked):
+    """lm_eval's vllm_args (a dict) as the command line gives it: the string lm-eval's own model_args take."""
 
-    tasks: list[str] = field(default_factory=lambda: list(TASKS), metadata={
-        "help": "lm-eval task names; offline: " + ", ".join(TASKS) + " (held-out Austen, in-domain; austen_perplexity: "
-                "word_perplexity, bits_per_byte); with a network the Hub tasks too (hellaswag arc_easy lambada_openai "
-                "mmlu ...; a group is paired per subtask and as a whole)"})
-    variants: list[str] = field(default_factory=lambda: ["unpatched", "projected"], metadata={
-        "help": "unpatched and update variants, each on every layer: " + "; ".join(update_variants()),
-        "choices": list(update_variants()), "metavar": "NAME"})
-    model_folders: list[str] | None = field(default=None, metadata={
-        "help": "saved patched folders or patch repos (healed, converted) of the same base, evaluated as loaded"})
-    include_path: str | None = field(default=None, metadata={"help": "a folder of your own lm-eval task YAMLs"})
-    num_fewshot: int | None = field(default=None, metadata={"help": "few-shot examples (lm-eval's default: the task's)"})
-    limit: int | None = field(default=None, metadata={"help": "items per task (default: all)"})
-    bootstrap: int = field(default=2000, metadata={"help": "bootstrap resamples of the paired 95% intervals"})
-    backend: str = field(default="hf", metadata={
-        "help": "hf: lm-eval's HFLM on the model in memory; vllm: lm-eval's VLLM, every variant written as a complete "
-                f"folder and served by vLLM with hf_tangent's plugin (needs vLLM: {DOCS}serving.md)",
-        "choices": ["hf", "vllm"]})
     vllm_args: str | None = field(default=None, metadata={
         "help": "with --backend vllm: vllm.LLM arguments as lm-eval writes model_args, "
                 "e.g. enforce_eager=True,gpu_memory_utilization=0.3,max_model_len=512 (a CPU)"})
@@ -53,7 +35,7 @@ def parse_vllm_args(text: str | None) -> dict | None:
 
 
 def lm_eval_command_parser(subparsers):
-    return add_command(subparsers, "lm-eval", (ModelArguments, RunArguments, LmEvalArguments),
+    return add_command(subparsers, "lm-eval", (ModelArguments, RunArguments, LmEvalArguments, VllmArguments),
                        "downstream accuracy (LM Evaluation Harness) of the unpatched model, update rules and saved "
                        "patched models, with paired differences", lm_eval_command, recipe_function=lm_eval)
 
@@ -61,14 +43,11 @@ def lm_eval_command_parser(subparsers):
 def lm_eval_command(args) -> int:
     from ..integrations.harness.run import require_lm_eval
 
-    model, run, options = dataclasses_of(args.parser, args)
+    model, run, options, vllm = dataclasses_of(args.parser, args)
     require_lm_eval()  # before any model is loaded
-    vllm_args = parse_vllm_args(options.vllm_args)
+    vllm_args = parse_vllm_args(vllm.vllm_args)
     preflight(run, output_dir=run.output_dir, device=run.device)
-    report = lm_eval(model.model, tasks=options.tasks, variants=options.variants,
-                     model_folders=options.model_folders or [], include_path=options.include_path,
-                     num_fewshot=options.num_fewshot, limit=options.limit, batch_size=run.batch_size,
-                     bootstrap=options.bootstrap, dtype=model.dtype, device=run.device, seed=run.seed,
-                     backend=options.backend, vllm_args=vllm_args)
+    report = lm_eval(model.model, **vars(options), batch_size=run.batch_size, dtype=model.dtype, device=run.device,
+                     seed=run.seed, vllm_args=vllm_args)
     report.save(run.output_dir, echo=True)
     return 0

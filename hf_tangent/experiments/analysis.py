@@ -19,7 +19,7 @@ import torch
 from ..analysis.ablation import VARIANTS as ABLATIONS
 from ..analysis.ablation import forward_passes, run_ablation
 from ..analysis.diagnostics import QUANTITIES, diagnose
-from ..analysis.evaluation import update_variants
+from ..analysis.evaluation import UpdateName, update_variants
 from ..analysis.parallel import estimated_speedup, greedy_order, recommend, sensitivity, submodule_times, sweep_losses
 from ..analysis.timing import interleaved_ratio
 from ..core.config import TangentConfig
@@ -43,7 +43,6 @@ from .common import (
 from .report import Report, register_report
 
 Ablation = Literal[ABLATIONS]
-UpdateName = Literal[tuple(update_variants())]
 ABLATE_RANGES = {"bootstrap": at_least(1)}
 PARALLEL_SWEEP_RANGES = {"calibration_windows": at_least(1), "ks": at_least(0), "greedy_max_k": at_least(1),
                          "budget": Range(0)}  # budget 0: only conversions that lose nothing

@@ -10,10 +10,11 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from ..analysis.evaluation import update_variants
+from ..analysis.evaluation import UpdateName, update_variants
 from ..analysis.stats import bootstrap_interval, strata_mean
 from ..artifacts.identity import patch_differences, scored_weights
 from ..artifacts.loading import from_pretrained
@@ -43,10 +44,11 @@ LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size"
 @validated(LM_EVAL_RANGES)
 @entry_point(patched_model="as is")
 def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TASKS,
-            variants: list[str] = ("unpatched", "projected"), model_folders: list[str] = (),
+            variants: list[UpdateName] = ("unpatched", "projected"), model_folders: list[str] = (),
             include_path: str | os.PathLike | None = None, num_fewshot: int | None = None,
             limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: DType = "float32",
-            device: str | None = None, seed: int = 0, backend: str = "hf", vllm_args: dict | None = None) -> Report:
+            device: str | None = None, seed: int = 0, backend: Literal[BACKENDS] = "hf",
+            vllm_args: dict | None = None) -> Report:
     """Downstream accuracy of every variant on lm-eval tasks (the `lm-eval` report): the metrics
     exactly as lm-eval names them ("acc,none", "acc_stderr,none", ...) per variant and task (a group's
     subtasks included), and per variant the paired difference of each per-sample metric against
@@ -57,26 +59,26 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
     Args:
         model, tokenizer: a model name (offline name, folder, hub id) or a loaded model with its tokenizer;
             a patched model is evaluated as it is too ("as given").
-        tasks: lm-eval task names; the offline defaults are hf_tangent's Austen tasks (austen_lastword,
-            austen_nextsentence, austen_perplexity: lm-eval's word_perplexity, byte_perplexity and
-            bits_per_byte on the held-out novels), in-domain for the project's calibration text; hub
-            tasks (hellaswag, arc_easy, lambada_openai, ...) need a network. A group (mmlu, or your own
-            group YAML) gets paired differences per subtask and for the group.
-        variants: "unpatched" and update variant names (`hf-tangent eval`'s names), each on every layer.
-        model_folders: saved patched folders or patch repos (healed, converted), evaluated as loaded.
-        include_path: a folder of the user's own task YAMLs; num_fewshot, limit (items per task),
-            batch_size: as lm-eval's; bootstrap: resamples of the paired intervals; dtype, device, seed.
-        backend: "hf" (lm-eval's HFLM on the model in memory) or "vllm" (lm-eval's VLLM: every variant is
-            written as a complete folder, in a temporary folder, and served by vLLM with hf_tangent's plugin;
-            a complete folder in model_folders is served as it is); vllm_args: keyword arguments of vllm.LLM
-            (on a CPU: enforce_eager, gpu_memory_utilization, max_model_len; docs/serving.md).
+        tasks: lm-eval task names; offline: austen_lastword, austen_nextsentence, austen_perplexity (held-out
+            Austen, in-domain for the calibration text; austen_perplexity: word_perplexity, bits_per_byte); with a
+            network the Hub tasks too (hellaswag arc_easy lambada_openai mmlu ...; a group is paired per subtask
+            and as a whole)
+        variants: unpatched and update variants, each on every layer
+        model_folders: saved patched folders or patch repos (healed, converted) of the same base, evaluated as
+            loaded
+        include_path: a folder of your own lm-eval task YAMLs
+        num_fewshot: few-shot examples (lm-eval's default: the task's)
+        limit: items per task (default: all)
+        batch_size, dtype, device, seed: as lm-eval's, and for a model loaded by name.
+        bootstrap: bootstrap resamples of the paired 95% intervals
+        backend: hf: lm-eval's HFLM on the model in memory; vllm: lm-eval's VLLM, every variant written as a
+            complete folder (in a temporary folder; a complete folder in model_folders as it is) and served by
+            vLLM with hf_tangent's plugin (needs vLLM:
+            https://github.com/hf-tangent/hf_tangent/blob/main/docs/serving.md)
+        vllm_args: keyword arguments of vllm.LLM (on a CPU: enforce_eager, gpu_memory_utilization, max_model_len)
     """
     require_lm_eval()
     vllm_args = _check_backend(backend, vllm_args)
-    known = update_variants()
-    unknown = [v for v in variants if v not in known]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; accepted: {', '.join(known)} (and --model_folders for saved ones).")
     if include_path is not None and not os.path.isdir(include_path):  # lm-eval itself skips a missing folder silently
         raise ValueError(f"hf_tangent.lm_eval: include_path={include_path!r} is not a folder; accepted: a folder of "
                          "lm-eval task YAMLs.")
@@ -121,6 +123,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
         if get_config(model) is not None:
             run("as given", model)
         with without_patch(model):
+            known = update_variants()
             for variant in ["unpatched", *[v for v in variants if v != "unpatched"]]:
                 if known[variant] is not None:
                     patch(model, known[variant])
@@ -193,8 +196,6 @@ VLLM_ARGS_SET_HERE = ("model", "pretrained", "dtype", "seed", "batch_size", "tok
 
 def _check_backend(backend: str, vllm_args) -> dict | None:
     """The backend and vLLM's arguments, checked before any model is loaded."""
-    if backend not in BACKENDS:
-        raise ValueError(f"hf_tangent.lm_eval: backend={backend!r}; accepted: {', '.join(map(repr, BACKENDS))}.")
     if backend == "hf":
         if vllm_args is not None:
             raise ValueError("hf_tangent.lm_eval: vllm_args are for backend='vllm'; with backend='hf' pass none.")

@@ -1104,7 +1104,7 @@ def lm_eval_cases(tmp: Path, folder: Path):
     small = dict(tasks=["austen_lastword"], variants=["unpatched"], limit=2, bootstrap=10)
     model = LlamaForCausalLM.from_pretrained(folder).eval()
     for case, kwargs, message in [
-            ("variants=['tangent']", dict(variants=["tangent"]), "unknown variants ['tangent']; accepted:"),
+            ("variants=['tangent']", dict(variants=["tangent"]), "variants=['tangent'] is not one of the choices; accepted:"),
             ("tasks=['no_such_task']", dict(tasks=["no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
             ("a shipped task and an unknown one (lm-eval's own tasks indexed for it)",
              dict(tasks=["austen_lastword", "no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
@@ -1113,8 +1113,8 @@ def lm_eval_cases(tmp: Path, folder: Path):
             ("batch_size=0", dict(batch_size=0), "batch_size=0 is out of range"),
             ("bootstrap=0", dict(bootstrap=0), "bootstrap=0 is out of range"),
             ("include_path of a missing folder", dict(include_path=str(tmp / "missing")), "is not a folder; accepted"),
-            ("backend='tgi'", dict(backend="tgi"), "backend='tgi'; accepted: 'hf', 'vllm'"),
-            ("backend=None", dict(backend=None), "backend=None has the wrong type (NoneType); accepted: a string"),
+            ("backend='tgi'", dict(backend="tgi"), "backend='tgi' is not one of the choices; accepted: one of 'hf', 'vllm'"),
+            ("backend=None", dict(backend=None), "backend=None has the wrong type (NoneType); accepted: one of 'hf', 'vllm'"),
             ("vllm_args with backend='hf'", dict(vllm_args={"enforce_eager": True}), "vllm_args are for backend='vllm'"),
             ("vllm_args a list", dict(backend="vllm", vllm_args=["enforce_eager"]), "has the wrong type (list); accepted: a mapping"),
             ("vllm_args with a non-string key", dict(backend="vllm", vllm_args={1: 2}), "a dict of vllm.LLM keyword"),
