@@ -437,6 +437,20 @@ def test_an_undocumented_parameter_cannot_become_an_option():
     with pytest.raises(TypeError, match=r"misread: its docstring's Args name \['values'\], which are not its"):
         options_dataclass(misread, __name__)
 
+    with pytest.raises(TypeError, match=r"documented: \['heigth'\] are not keyword parameters with a default"):
+        options_dataclass(documented, __name__, names=("steps", "heigth"))
+
+    @validated()
+    def required(model, *, steps: int):
+        """A probe.
+
+        Args:
+            steps: how many
+        """
+
+    with pytest.raises(TypeError, match="required: parameter 'steps' has no default, which an option needs"):
+        options_dataclass(required, __name__)
+
 
 def test_the_generated_options_classes_pickle_and_refuse_what_their_function_refuses():
     """A command's options made from its function are module-level classes (they pickle, as the hand-written ones
@@ -450,7 +464,7 @@ def test_the_generated_options_classes_pickle_and_refuse_what_their_function_ref
         for cls in parser.dataclass_types:
             if cls.__module__.startswith("hf_tangent.commands") and cls.__name__ != "ExportArguments":
                 assert pickle.loads(pickle.dumps(cls())) == cls(), cls
-    with pytest.raises(ChoiceError, match=r"variants=\['typo'\] is not one of the choices"):
+    with pytest.raises(ChoiceError, match=r"variants=\['typo'\] has 'typo', not one of the choices"):
         AblateArguments(variants=["typo"])
 
 
@@ -463,24 +477,28 @@ def test_a_choice_the_command_line_refuses_the_python_call_refuses_before_loadin
     import hf_tangent as ht
     from hf_tangent.ranges import ChoiceError
 
-    with pytest.raises(ChoiceError, match=f"{option}=.* is not one of the choices; accepted: .*(one of|values among) '"):
+    with pytest.raises(ChoiceError, match=f"{option}=.* (is not one|has 'no_such_ablation', not one) of the choices; "
+                                          "accepted: .*(one of|values among) '"):
         getattr(ht, function)("/nonexistent/hf_tangent_choice_probe", **{option: value})
 
 
 @pytest.mark.parametrize("command, key, value, words", [
-    ("ablate", "variants", ["full", "typo"], "is not one of the choices; accepted: a non-empty list of values among"),
+    ("ablate", "variants", ["full", "typo", "x"], "has 'typo', 'x', none of the choices; accepted: a non-empty list of "
+     "values among"),
     ("ablate", "variants", ["full", 5], "has the wrong type"),
     ("diagnose", "update", 5, "has the wrong type (int); accepted: one of 'unpatched'"),
     ("diagnose", "update", True, "has the wrong type (bool); accepted: one of 'unpatched'"),
     ("diagnose", "update", "typo", "is not one of the choices; accepted: one of 'unpatched'"),
-    ("critical", "protocol", 3, "has the wrong type (int); accepted: one of 'refined', 'paper'.")])
+    ("critical", "protocol", 3, "has the wrong type (int); accepted: one of 'refined', 'paper'."),
+    ("critical", "protocol", None, "has the wrong type (NoneType); accepted: one of 'refined', 'paper'."),
+    ("lm-eval", "backend", None, "has the wrong type (NoneType); accepted: one of 'hf', 'vllm'.")])
 def test_a_recipe_and_the_api_refuse_a_choice_in_the_same_words(command, key, value, words, tmp_path, capsys):
     import yaml
 
     import hf_tangent as ht
     from hf_tangent.ranges import RangeError
 
-    function = {"ablate": ht.ablate, "diagnose": ht.diagnose_layers, "critical": ht.critical}[command]
+    function = {"ablate": ht.ablate, "diagnose": ht.diagnose_layers, "critical": ht.critical, "lm-eval": ht.lm_eval}[command]
     with pytest.raises(RangeError) as api:
         function("/nonexistent/hf_tangent_choice_probe", **{key: value})
     assert words in str(api.value)
@@ -489,3 +507,19 @@ def test_a_recipe_and_the_api_refuse_a_choice_in_the_same_words(command, key, va
     code, err = run([command, "--recipe", str(recipe), "--output-dir", str(tmp_path / "out")], capsys)
     assert_user_error(code, err, command, words)
     assert str(api.value).split("; accepted: ")[1] in err and not (tmp_path / "out").exists()
+    if "none of the choices" in words or value is None:  # the very same sentence through both doors
+        assert err.strip().endswith(f"recipe {recipe}: {api.value}")
+
+
+def test_lm_eval_model_folders_take_none_and_an_empty_list_as_no_folders(tmp_path):
+    """--model_folders was `list | None` on the command line and a list in the API: one declaration takes both."""
+    import yaml
+
+    import hf_tangent as ht
+    from hf_tangent.ranges import options_of
+
+    for value in (None, [], ["a/folder"]):
+        options_of(ht.lm_eval)["model_folders"].check(value)
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump({"command": "lm-eval", "model_folders": value}))
+        assert cli.parse_args(["lm-eval", "--recipe", str(recipe)]).model_folders == value

@@ -169,7 +169,7 @@ def test_without_lm_eval_the_command_says_what_to_install_before_loading_a_model
 
 def test_lm_eval_refusals(tiny):
     model, tokenizer, _ = tiny
-    with pytest.raises(ValueError, match="variants=\\['nope'\\] is not one of the choices; accepted: a non-empty list of "
+    with pytest.raises(ValueError, match="variants=\\['nope'\\] has 'nope', not one of the choices; accepted: a non-empty list of "
                                          "values among 'unpatched', 'add', 'projected'"):
         ht.lm_eval(model, tokenizer, variants=["nope"])
     with pytest.raises(ValueError, match="unknown lm-eval tasks \\['no_such_task'\\]"):

@@ -27,7 +27,7 @@ import torch
 
 from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..core.destinations import DestinationError
-from ..core.options import ChoiceError, OptionTypeError
+from ..core.options import ChoiceError, ListChoiceError, OptionTypeError
 from ..experiments.runs import claim_run_folder, in_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of, shown
 from ..training import data
@@ -221,9 +221,16 @@ def options_dataclass(function, module: str, *, skip: frozenset[str] = SHARED_PA
     call refuse the same values in the same words. `module` is the command's, which binds the class to its name
     there (so that it pickles)."""
     hints, helps, fields = typing.get_type_hints(function), documented(function), []
-    for name, parameter in inspect.signature(function).parameters.items():
+    parameters = inspect.signature(function).parameters
+    keywords = [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY and p.default is not p.empty]
+    if names is not None and set(names) - set(keywords):
+        raise TypeError(f"{function.__name__}: {sorted(set(names) - set(keywords))} are not keyword parameters with a "
+                        "default (what an option is)")
+    for name, parameter in parameters.items():
         if parameter.kind is not parameter.KEYWORD_ONLY or (name in skip if names is None else name not in names):
             continue
+        if parameter.default is parameter.empty:
+            raise TypeError(f"{function.__name__}: parameter {name!r} has no default, which an option needs")
         if name not in helps:
             raise TypeError(f"{function.__name__}: parameter {name!r} is not in its docstring's Args (a command's help)")
         fields.append(_option(name, hints[name], helps[name], parameter.default))
@@ -383,6 +390,10 @@ def _accepted(dataclass_types) -> dict[str, str]:
             if option.range is not None or _has_choices(option.hint)}
 
 
+def _same_kind(value, choice) -> bool:  # as core/options.py: True is not the choice 1, a numpy str is a str
+    return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
+
+
 def _has_choices(hint) -> bool:
     return typing.get_origin(hint) is Literal or any(_has_choices(arg) for arg in typing.get_args(hint))
 
@@ -415,6 +426,9 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
     if action.nargs in ("+", "*"):
         if not isinstance(value, list):
             fail("a list")
+        unknown = [v for v in value if action.choices is not None and v not in action.choices]
+        if unknown and accepted and all(any(_same_kind(v, choice) for choice in action.choices) for v in value):
+            raise CommandError(f"recipe {where}: {ListChoiceError(key, value, accepted, unknown)}")  # the API's words
         return [_check_value(argparse.Action([], action.dest, type=action.type, choices=action.choices), key, v, where,
                              accepted) for v in value]
     if kind in ("int", "float") and isinstance(value, str) and action.type is not None:
@@ -432,8 +446,7 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
         fail("a number")
     if kind == "str" and not isinstance(value, str):
         fail("a string")
-    if action.choices is not None and value is not None and not any(
-            type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str) for choice in action.choices):
+    if action.choices is not None and not any(_same_kind(value, choice) for choice in action.choices):
         fail("one of " + ", ".join(map(repr, action.choices)))  # a value of another type than the choices'
     if kind == "other" and action.type is not None and value is not None:
         try:

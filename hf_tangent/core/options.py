@@ -64,6 +64,15 @@ def _same_kind(value, choice) -> bool:
     return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
 
 
+class ListChoiceError(ChoiceError):
+    """A list of the right type holding values that are none of the choices (named: `unknown`)."""
+
+    def __init__(self, name: str, value, accepted: str, unknown: list):
+        which = "not one" if len(unknown) == 1 else "none"
+        self.unknown, self.problem = unknown, f"has {', '.join(map(repr, unknown))}, {which} of the choices"
+        super().__init__(name, value, accepted)
+
+
 def _choice_kind(value, hint) -> bool:
     """Whether `value` has the type of `hint`'s choices (a list: every item that of its item's choices), so that a
     value `hint` refuses is a choice that does not exist, not a value of the wrong type."""
@@ -198,6 +207,8 @@ class Option:
     def check(self, value, check_type: bool = True) -> None:
         if check_type and not matches(value, self.hint):
             if _choice_kind(value, self.hint):
+                if isinstance(value, (list, tuple)):
+                    raise ListChoiceError(self.name, value, self.accepted, [v for v in value if not matches([v], self.hint)])
                 raise ChoiceError(self.name, value, self.accepted)
             raise OptionTypeError(self.name, value, self.accepted, number=numeric(self.hint))
         many = isinstance(value, (list, tuple)) and listed(self.hint)

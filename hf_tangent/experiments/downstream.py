@@ -41,10 +41,10 @@ from .report import Report, provenance_problems, register_report
 LM_EVAL_RANGES = {"limit": at_least(1), "num_fewshot": at_least(0), "batch_size": at_least(1), "bootstrap": at_least(1)}
 
 
-@validated(LM_EVAL_RANGES)
+@validated(LM_EVAL_RANGES, empty={"model_folders": "none (as None)"})
 @entry_point(patched_model="as is")
 def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TASKS,
-            variants: list[UpdateName] = ("unpatched", "projected"), model_folders: list[str] = (),
+            variants: list[UpdateName] = ("unpatched", "projected"), model_folders: list[str] | None = None,
             include_path: str | os.PathLike | None = None, num_fewshot: int | None = None,
             limit: int | None = None, batch_size: int = 1, bootstrap: int = 2000, dtype: DType = "float32",
             device: str | None = None, seed: int = 0, backend: Literal[BACKENDS] = "hf",
@@ -63,9 +63,9 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
             Austen, in-domain for the calibration text; austen_perplexity: word_perplexity, bits_per_byte); with a
             network the Hub tasks too (hellaswag arc_easy lambada_openai mmlu ...; a group is paired per subtask
             and as a whole)
-        variants: unpatched and update variants, each on every layer
+        variants: unpatched and update variants, each on every layer (saved folders: model_folders)
         model_folders: saved patched folders or patch repos (healed, converted) of the same base, evaluated as
-            loaded
+            loaded (default: none)
         include_path: a folder of your own lm-eval task YAMLs
         num_fewshot: few-shot examples (lm-eval's default: the task's)
         limit: items per task (default: all)
@@ -87,6 +87,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
     if missing:
         raise ValueError(f"unknown lm-eval tasks {missing}; the offline ones: {', '.join(TASKS)} (or --include_path).")
     model, tokenizer, name = resolve_model(model, tokenizer, dtype=dtype, device=device, seed=seed)
+    model_folders = list(model_folders or ())
     _check_vocabularies(model, tokenizer, name, model_folders)  # every variant's, before any is scored
     _check_contexts(model, tokenizer, model_folders, rolling_tasks(manager, list(tasks)))
     weights, folder_weights = scored_weights(model), {}  # the base variants' weights; each folder's as loaded

@@ -126,7 +126,7 @@ def finetune(model: Model, tokenizer: Tokenizer = None, *, text: Text = None, ru
         model: a model name (loaded afresh for every run) or a loaded model (deep-copied per run).
         rules: update variants trained besides the unpatched model.
         seeds: one run per seed and variant
-        method: LoRA (PEFT, with the lora settings) or full fine-tuning
+        method: LoRA (PEFT; its settings: `lora`, on the command line --lora_*) or full fine-tuning
         training_args: Trainer settings; each run writes to output_dir/runs/<rule>-seed<seed>.
         save_models: write every patched run's final model: with LoRA a patch repo (runs/<rule>-seed<k>/patch,
             adapters unmerged), with full fine-tuning the complete folder (runs/<rule>-seed<k>/model)

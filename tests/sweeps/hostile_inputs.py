@@ -1104,7 +1104,7 @@ def lm_eval_cases(tmp: Path, folder: Path):
     small = dict(tasks=["austen_lastword"], variants=["unpatched"], limit=2, bootstrap=10)
     model = LlamaForCausalLM.from_pretrained(folder).eval()
     for case, kwargs, message in [
-            ("variants=['tangent']", dict(variants=["tangent"]), "variants=['tangent'] is not one of the choices; accepted:"),
+            ("variants=['tangent']", dict(variants=["tangent"]), "variants=['tangent'] has 'tangent', not one of the choices; accepted:"),
             ("tasks=['no_such_task']", dict(tasks=["no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
             ("a shipped task and an unknown one (lm-eval's own tasks indexed for it)",
              dict(tasks=["austen_lastword", "no_such_task"]), "unknown lm-eval tasks ['no_such_task']"),
