@@ -523,3 +523,18 @@ def test_lm_eval_model_folders_take_none_and_an_empty_list_as_no_folders(tmp_pat
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(yaml.safe_dump({"command": "lm-eval", "model_folders": value}))
         assert cli.parse_args(["lm-eval", "--recipe", str(recipe)]).model_folders == value
+
+
+@pytest.mark.parametrize("text, hint", [("save_strategy: no", "write 'no' in quotes"),
+                                        ("save_strategy: off", "write 'no' in quotes"),
+                                        ("logging_strategy: yes", None)])
+def test_a_yaml_boolean_for_a_choice_says_to_quote_it(text, hint, tmp_path, capsys):
+    """YAML 1.1 reads `save_strategy: no` (the Trainer's own value) as false: refused as a bool, as before, and the
+    error says why and what to write, where a choice is the word YAML turned into a boolean."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"command: calibrate\n{text}\n")
+    code, err = run(["calibrate", "--recipe", str(recipe), "--output-dir", str(tmp_path / "out")], capsys)
+    assert_user_error(code, err, "calibrate", "has the wrong type (bool); accepted: one of 'no', 'steps'")
+    assert (hint in err) if hint else "in quotes" not in err
+    recipe.write_text(f"command: calibrate\n{text.split(':')[0]}: 'no'\n")
+    assert cli.parse_args(["calibrate", "--recipe", str(recipe)]).__dict__[text.split(":")[0]] == "no"

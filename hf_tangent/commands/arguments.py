@@ -411,6 +411,9 @@ def _kind(action: argparse.Action) -> str:
     return "other"
 
 
+YAML_BOOLEANS = {True: ("yes", "on", "true"), False: ("no", "off", "false")}  # words YAML 1.1 reads as booleans
+
+
 def _check_value(action: argparse.Action, key: str, value, where: str, accepted: str | None = None,
                  optional: bool = False):
     """The recipe's value for `action`, type-checked (YAML already typed it): quoted "false" is not a bool;
@@ -418,7 +421,10 @@ def _check_value(action: argparse.Action, key: str, value, where: str, accepted:
     command line's own conversion (YAML reads `1e-3` as a string, the command line as a number).
     The ranges are checked when the command's dataclasses are made, as for the command line."""
     def fail(expected, error=OptionTypeError):  # the words of every door (core/options.py)
-        raise CommandError(f"recipe {where}: {error(key, value, accepted or expected)}")
+        words = [c for c in map(str, action.choices or ()) if isinstance(value, bool) and c in YAML_BOOLEANS[value]]
+        quote = (f" YAML reads an unquoted {'/'.join(YAML_BOOLEANS[value])} as {str(value).lower()}: write "
+                 f"{' or '.join(repr(w) for w in words)} in quotes." if words else "")
+        raise CommandError(f"recipe {where}: {error(key, value, accepted or expected)}{quote}")
 
     kind = _kind(action)
     if value is None and optional:
