@@ -27,7 +27,7 @@ import torch
 
 from ..artifacts.models import DEFAULT_MODEL, OFFLINE_MODELS
 from ..core.destinations import DestinationError
-from ..core.options import ChoiceError, ListChoiceError, OptionTypeError
+from ..core.options import ChoiceError, ListChoiceError, OptionTypeError, _same_kind
 from ..experiments.runs import claim_run_folder, in_run_folder
 from ..ranges import TEXT_RANGES, DType, Option, Range, RangeError, at_least, check_ranges, matches, options_of, shown
 from ..training import data
@@ -388,10 +388,6 @@ def _accepted(dataclass_types) -> dict[str, str]:
     of ranges.Option (the API's)."""
     return {name: option.accepted for name, option in _options(dataclass_types).items()
             if option.range is not None or _has_choices(option.hint)}
-
-
-def _same_kind(value, choice) -> bool:  # as core/options.py: True is not the choice 1, a numpy str is a str
-    return type(value) is type(choice) or isinstance(value, str) and isinstance(choice, str)
 
 
 def _has_choices(hint) -> bool:
