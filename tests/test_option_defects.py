@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import sys
@@ -314,7 +315,6 @@ def test_tangent_layer_index_type_and_short_messages():
 def test_a_report_writes_numbers_of_any_kind_as_json_numbers(tmp_path):
     """A numpy scalar in a report's data was written to report.json as a string ('0.5'), silently: written as
     a number now (a path or a dtype still as its str)."""
-    import json
 
     import numpy as np
 
@@ -338,7 +338,6 @@ def test_an_enum_member_is_kept_as_its_value(tmp_path):
     (the recipe then refused its own 'U.P'); kept as its value now, through a recipe function (a list option
     too) and an options dataclass, and report.json stores that value."""
     import enum
-    import json
 
     from hf_tangent.ranges import validated
 
@@ -370,7 +369,6 @@ def test_a_tangent_config_keeps_an_enum_member_as_its_value(tmp_path):
     """Issue 59's probe, in the core: ht.TangentConfig(update=U.P) stored str(U.P), 'U.P' (core/options.plain);
     its value now, in the config, its dict, a list field and a saved folder's record."""
     import enum
-    import json
 
     class U(str, enum.Enum):
         P = "projected"
@@ -415,3 +413,28 @@ def test_a_truncated_weights_file_is_one_error_line_not_a_traceback(tmp_path, ca
     expected = (f"hf_tangent.from_pretrained: {weights}: not a readable safetensors file (" if patched else
                 f"hf_tangent: could not load model '{tmp_path / 'm'}': a weights file is damaged (")
     assert err[-1].startswith("hf-tangent eval: error: " + expected), err[-1]
+
+
+@pytest.mark.parametrize("config", ["not json", "a string record"])
+def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loaded_plain(tmp_path, capsys, config):
+    """One reader says whether a local folder is a patched one (destinations.artifact_kind; serialization.holds_record
+    went): a config.json that is not JSON is one `error:` line with transformers' words (was an OSError traceback once
+    holds_record's strict read went), and a record that is not a mapping is refused by the patched folder's loader,
+    not loaded as an unpatched model."""
+    model, tokenizer = tiny_smollm2_llama()
+    ht.patch(model, ht.TangentConfig(update="projected"))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    if config == "not json":
+        path.write_text("{not json", encoding="utf-8")
+    else:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps({**data, "model_type": "llama", "hf_tangent": "projected"}), encoding="utf-8")
+    (tmp_path / "t.txt").write_text((AUSTEN / "emma.txt").read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    code = cli.main(["eval", "--model", str(tmp_path / "m"), "--text_files", str(tmp_path / "t.txt"), "--updates",
+                     "projected", "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err) and not (tmp_path / "out").exists()
+    expected = ("not a valid JSON file" if config == "not json" else "field 'hf_tangent' must be a mapping, got str")
+    assert err[-1].startswith("hf-tangent eval: error: ") and expected in err[-1], err[-1]

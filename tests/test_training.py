@@ -373,10 +373,10 @@ def test_remote_code_ships_every_module_it_imports():
 
     from hf_tangent.artifacts import hub
 
-    shipped = set(hub.REMOTE_CODE_MODULES)
+    shipped = set(hub.SHIPPED_CORE_MODULES)
     shipped |= {hub.REMOTE_CONFIG_FILE}  # generated next to the modeling file
     core = Path(hub.__file__).resolve().parents[1] / "core"
-    texts = [(core / name).read_text() for name in hub.REMOTE_CODE_MODULES] + [hub._MODELING_TEMPLATE,
+    texts = [(core / name).read_text() for name in hub.SHIPPED_CORE_MODULES] + [hub._MODELING_TEMPLATE,
                                                                                hub._CONFIG_TEMPLATE, hub.core_imports()]
     for text in texts:
         for module in re.findall(r"^\s*from \.(\w+) import", text, flags=re.M):

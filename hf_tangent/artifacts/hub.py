@@ -37,16 +37,15 @@ from .serialization import save_pretrained
 
 CORE_PACKAGE = "hf_tangent.core"  # the package whose modules ship as remote code
 REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE = REMOTE_GENERATED_FILES
-REMOTE_CODE_MODULES = SHIPPED_CORE_MODULES  # the core modules copied beside the two generated files
 
 
 def core_imports() -> str:
     """The modeling file's import of every core module (transformers 4.x copies only what it imports)."""
-    return "\n".join(f"from .{name[:-3]} import __name__ as _{name[:-3]}  # noqa: F401" for name in REMOTE_CODE_MODULES)
+    return "\n".join(f"from .{name[:-3]} import __name__ as _{name[:-3]}  # noqa: F401" for name in SHIPPED_CORE_MODULES)
 
 
 def _copy_core(folder: Path) -> None:
-    for name in REMOTE_CODE_MODULES:
+    for name in SHIPPED_CORE_MODULES:
         (folder / name).write_text((resources.files(CORE_PACKAGE) / name).read_text(encoding="utf-8"), encoding="utf-8")
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
+from ..core.destinations import artifact_kind
 from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
     DEFAULT_MODEL,
     OFFLINE_MODELS,
@@ -22,7 +23,6 @@ from .checkpoints import (  # noqa: F401  (re-exported: the names users and reci
 )
 from .loading import from_pretrained, is_patch_repo, read_record
 from .offline import needs_hub
-from .serialization import holds_record
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
@@ -45,10 +45,12 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
             source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
         elif os.path.isdir(name):
             try:
-                model = from_pretrained(name, **kwargs) if holds_record(name, strict=True) else \
+                model = from_pretrained(name, **kwargs) if artifact_kind(name) == "patched folder" else \
                     AutoModelForCausalLM.from_pretrained(name, **kwargs)
             except SafetensorError as err:  # not an OSError: the command line would print a traceback
                 raise RuntimeError(f"hf_tangent: could not load model '{name}': a weights file is damaged ({err}).") from err
+            except OSError as err:  # transformers' words for a damaged config.json or missing weights
+                raise RuntimeError(f"hf_tangent: could not load model '{name}': {err}") from err
         else:
             try:
                 with needs_hub(f"the model {name!r} (not an offline name nor a local folder: a hub id)", "model"):

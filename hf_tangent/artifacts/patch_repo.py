@@ -41,7 +41,7 @@ from ..core.destinations import (
 )
 from ..core.discovery import decoder_layers
 from ..core.gather import peft_model_of, sharding_engine
-from ..core.install import CONFIG_KEY, PATCHED_BASE_NAME
+from ..core.install import CHILD_NAME, CONFIG_KEY, PATCHED_BASE_NAME
 from ..core.patching import get_config, patch, set_homotopy, tangent_layers
 from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, base_model_type
 from ..core.wrappers import unwrap
@@ -49,9 +49,12 @@ from . import identity
 from .checkpoints import OFFLINE_MODELS, load_offline, offline_folder, offline_package
 from .hub import is_hub_id, save_hub_folder, upload
 from .offline import hub_error, unreachable
-from .serialization import _check_record, holds_record, resolve_file, transformers_class
+from .serialization import _check_record, resolve_file, transformers_class
 
-_GATE_KEY = re.compile(r"base_model\.model\.(?P<layers>.+)\.(?P<index>\d+)\.tangent_patch\.peft\.hf_tangent_gate")
+# A gate's key in adapter_model.safetensors: PEFT's prefix, the layer, the patch's child, adapter/model.py's holder and
+# parameter (HOLDER, GATES), without the adapter name that PEFT's save drops.
+GATE_KEY = f"base_model.model.{{layers}}.{{index}}.{CHILD_NAME}.peft.hf_tangent_gate"
+_GATE_KEY = re.compile(re.escape(GATE_KEY).replace(r"\{layers\}", "(?P<layers>.+)").replace(r"\{index\}", r"(?P<index>\d+)"))
 ADAPTER_FOLDER = "adapter"
 CARD_FILE = "README.md"
 FORMAT = 3  # the patch-repo format this hf_tangent writes (a PEFT adapter folder); it reads 1 (0.3), 2 and 3
@@ -78,7 +81,8 @@ def patch_record(model, *, base_model: str | None = None, revision: str | None =
     if not name:
         raise ValueError("hf_tangent.save_patch: the model does not say which checkpoint it was loaded from "
                          "(config._name_or_path is empty); pass base_model='hub-id-or-folder'.")
-    if base_model is None and (hasattr(type(base.config), BASE_TYPE_ATTR) or holds_record(name)):
+    if base_model is None and (hasattr(type(base.config), BASE_TYPE_ATTR)
+                               or destinations.artifact_kind(name) == "patched folder"):
         raise ValueError(f"hf_tangent.save_patch: the model was loaded from {name!r}, a complete patched folder, but a "
                          "patch repo points at an unpatched base, which it is loaded onto; pass base_model= (the hub id "
                          "or folder of the unpatched checkpoint), or share the complete folder (save_pretrained).")
@@ -189,7 +193,7 @@ def write_patch_repo(folder: str | os.PathLike, record: dict, gates: dict, peft_
         from safetensors.torch import save_file
 
         layers = record["patch"]["architecture"]["layers"]
-        tensors = {f"base_model.model.{layers}.{i}.tangent_patch.peft.hf_tangent_gate":
+        tensors = {GATE_KEY.format(layers=layers, index=i):
                    torch.as_tensor(v, dtype=torch.float32).reshape(1).contiguous() for i, v in gates.items()}
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if peft_model is not None:
@@ -649,7 +653,7 @@ def _read_gates(path, record, **hub_kwargs) -> dict[int, torch.Tensor]:
                 index = _gate_index(key, record["format"])
                 if index is None:
                     raise PatchRepoError(f"hf_tangent: {where}: unexpected tensor {key!r}; accepted: " + (
-                        "'base_model.model.<layers>.<index>.tangent_patch.peft.hf_tangent_gate'."
+                        repr(GATE_KEY.format(layers="<layers>", index="<index>")) + "."
                         if record["format"] >= 3 else "'layer.<index>'."))
                 value = f.get_tensor(key)
                 if value.shape != (1,) or not value.is_floating_point():

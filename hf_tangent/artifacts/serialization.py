@@ -64,20 +64,6 @@ def resolve_file(path, name: str, *, required: bool = True, errors=_FOLDER_FILE_
     return found
 
 
-def holds_record(folder, *, strict: bool = False) -> bool:
-    """True when `folder`'s config.json carries a patch record (a complete patched folder); False without a
-    config.json, and for one that cannot be read (its error where `strict`)."""
-    try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            return CONFIG_KEY in json.load(f)
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError, TypeError):
-        if strict:
-            raise
-        return False
-
-
 def _check_record(record, where: str) -> dict:
     if not isinstance(record, dict):
         _fail(where, f"field '{CONFIG_KEY}' must be a mapping, got {type(record).__name__}.")

@@ -22,8 +22,8 @@ from ...core.wrappers import unwrap
 from .. import patch_repo
 from .config import PREFIX
 
-GATES = PREFIX + "gate"
-HOLDER = "peft"  # the child of a patched layer's `tangent_patch` that holds its gate for PEFT
+# the child of a patched layer's `tangent_patch` that holds its gate for PEFT, and the gate's name (PEFT's prefix + "gate")
+HOLDER, GATES = patch_repo.GATE_KEY.split(".")[-2:]
 
 
 class GateHolder(nn.Module, BaseTunerLayer):
