@@ -526,6 +526,28 @@ def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, t
     assert snapshot(folder) == before
 
 
+@pytest.mark.parametrize("value", [None, "projected", [1], 3])
+@pytest.mark.parametrize("writer", ["save_patch", "save_pretrained", "output_dir"])
+def test_a_model_folder_whose_config_has_a_key_named_like_ours_but_no_record_is_not_ours(tiny_lm_folder, tmp_path,
+                                                                                       value, writer):
+    """Only a mapping under config.json's "hf_tangent" makes a model folder ours (a record the loader reads): a
+    review found 46aa916 (any value) replacing such a folder, the user's model.safetensors and config.json deleted."""
+    import shutil
+
+    folder = shutil.copytree(tiny_lm_folder, tmp_path / "theirs")
+    if writer == "output_dir":
+        (folder / "checkpoint-1").mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hf_tangent": value}))
+    before = snapshot(folder)
+    with pytest.raises(DestinationError, match="non-empty folder that hf_tangent did not write"):
+        if writer == "save_patch":
+            ht.save_patch(gated(tiny_lm_folder), folder)
+        else:
+            gated(tiny_lm_folder).save_pretrained(folder)
+    assert snapshot(folder) == before
+
+
 def test_tokenizer_card_and_trainer_state_beside_a_model_are_kept(tiny_lm_folder, tmp_path):
     """tokenizer.save_pretrained before model.save_pretrained, and a Trainer checkpoint's state, are
     other writers' files: the first save into that folder keeps them as they are. A re-save replaces

@@ -415,26 +415,30 @@ def test_a_truncated_weights_file_is_one_error_line_not_a_traceback(tmp_path, ca
     assert err[-1].startswith("hf-tangent eval: error: " + expected), err[-1]
 
 
-@pytest.mark.parametrize("config", ["not json", "a string record"])
+@pytest.mark.parametrize("config", ["not json", "a number", "a string record", "a null record"])
 def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loaded_plain(tmp_path, capsys, config):
-    """One reader says whether a local folder is a patched one (destinations.artifact_kind; serialization.holds_record
-    went): a config.json that is not JSON is one `error:` line with transformers' words (was an OSError traceback once
-    holds_record's strict read went), and a record that is not a mapping is refused by the patched folder's loader,
-    not loaded as an unpatched model."""
+    """load_model reads a local folder's config.json as the loader does (serialization.saved_record; holds_record
+    went): a config.json that is not JSON or not an object is one `error:` line (a JSON number was a traceback), a
+    record that is not a mapping is refused by the patched folder's loader, not loaded as an unpatched model, and a
+    null record is no patch: the model loads as transformers loads it."""
     model, tokenizer = tiny_smollm2_llama()
     ht.patch(model, ht.TangentConfig(update="projected"))
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
-    if config == "not json":
-        path.write_text("{not json", encoding="utf-8")
-    else:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        path.write_text(json.dumps({**data, "model_type": "llama", "hf_tangent": "projected"}), encoding="utf-8")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text({"not json": "{not json", "a number": "3",
+                     "a string record": json.dumps({**data, "model_type": "llama", "hf_tangent": "projected"}),
+                     "a null record": json.dumps({**data, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "hf_tangent": None})}[config], encoding="utf-8")
     (tmp_path / "t.txt").write_text((AUSTEN / "emma.txt").read_text(encoding="utf-8")[:4000], encoding="utf-8")
     code = cli.main(["eval", "--model", str(tmp_path / "m"), "--text_files", str(tmp_path / "t.txt"), "--updates",
-                     "projected", "--output_dir", str(tmp_path / "out")])
+                     "projected", "--output_dir", str(tmp_path / "out"), "--max_windows", "1", "--seq_len", "32"])
     err = capsys.readouterr().err.strip().splitlines()
+    if config == "a null record":
+        assert code == 0 and json.loads((tmp_path / "out" / "report.json").read_text())["rows"]
+        return
     assert code == 2 and "Traceback" not in "\n".join(err) and not (tmp_path / "out").exists()
-    expected = ("not a valid JSON file" if config == "not json" else "field 'hf_tangent' must be a mapping, got str")
+    expected = {"not json": "not a valid JSON file", "a number": "must be a JSON object (a model's config), got int",
+                "a string record": "field 'hf_tangent' must be a mapping, got str"}[config]
     assert err[-1].startswith("hf-tangent eval: error: ") and expected in err[-1], err[-1]

@@ -411,7 +411,7 @@ def test_smollm2_projected_and_parallel_equal_transformers(tmp_path):
 def pre_03_folder(folder: Path) -> Path:
     """`folder` (a patched folder) as hf_tangent 0.2 wrote it: the base's model_type and architecture in
     config.json, the "hf_tangent" record kept, no auto_map and no remote code beside it."""
-    from hf_tangent.artifacts.hub import REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE
+    from hf_tangent.artifacts.hub import REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE, SHIPPED_CORE_MODULES
 
     config_file = folder / "config.json"
     data = json.loads(config_file.read_text(encoding="utf-8"))
@@ -419,7 +419,7 @@ def pre_03_folder(folder: Path) -> Path:
     data["architectures"] = [data["hf_tangent"]["base_architecture"]]
     del data["auto_map"]
     config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    for name in (*REMOTE_CODE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE):
+    for name in (*SHIPPED_CORE_MODULES, REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE):
         (folder / name).unlink()
     assert data["model_type"] == "llama" and data["architectures"] == ["LlamaForCausalLM"] and "hf_tangent" in data
     return folder

@@ -8,7 +8,6 @@ import os
 import torch
 from safetensors import SafetensorError
 
-from ..core.destinations import artifact_kind
 from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
     DEFAULT_MODEL,
     OFFLINE_MODELS,
@@ -23,6 +22,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: the names users and reci
 )
 from .loading import from_pretrained, is_patch_repo, read_record
 from .offline import needs_hub
+from .serialization import saved_record
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = None, device: str | None = None,
@@ -45,7 +45,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
             source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
         elif os.path.isdir(name):
             try:
-                model = from_pretrained(name, **kwargs) if artifact_kind(name) == "patched folder" else \
+                model = from_pretrained(name, **kwargs) if saved_record(name)[2] is not None else \
                     AutoModelForCausalLM.from_pretrained(name, **kwargs)
             except SafetensorError as err:  # not an OSError: the command line would print a traceback
                 raise RuntimeError(f"hf_tangent: could not load model '{name}': a weights file is damaged ({err}).") from err

@@ -103,8 +103,10 @@ def _check_record(record, where: str) -> dict:
     return record
 
 
-def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict]:
-    """(config.json's path, its contents, its checked "hf_tangent" record) of a saved folder or hub repo."""
+def saved_record(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, object]:
+    """(config.json's path, its contents, its "hf_tangent" record as saved: None where there is none) of a saved
+    folder or hub repo; the loaders' one reading of it (destinations.artifact_kind decides what a writer may
+    replace)."""
     from transformers import PretrainedConfig
 
     config_file = resolve_file(path, "config.json", **hub_kwargs)
@@ -112,7 +114,14 @@ def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict
         data = PretrainedConfig._dict_from_json_file(config_file)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         _fail(config_file, f"not a valid JSON file ({err}).")
-    record = data.get(CONFIG_KEY) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        _fail(config_file, f"must be a JSON object (a model's config), got {type(data).__name__}.")
+    return config_file, data, data.get(CONFIG_KEY)
+
+
+def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict]:
+    """(config.json's path, its contents, its checked "hf_tangent" record) of a saved folder or hub repo."""
+    config_file, data, record = saved_record(path, **hub_kwargs)
     if record is None:
         raise ValueError(
             f"hf_tangent.from_pretrained: {path!s} holds no hf_tangent patch (config.json has no "

@@ -122,14 +122,14 @@ class DestinationError(ValueError):
 
 def artifact_kind(folder: str | os.PathLike) -> str | None:
     """"patch repo" or "patched folder" when `folder` is an artifact hf_tangent wrote (known by its
-    record: config.json's CONFIG_KEY, which the loader checks, or a patch repo's record file), else None.
-    A patch record beside a model that is not a patched one is not ours. The one reader of "is this ours"
-    for a local folder (patch_repo.is_patch_repo reads a hub repo's files too, and refuses both records)."""
+    record: a mapping under config.json's CONFIG_KEY, or a patch repo's record file), else None: what a
+    writer may replace. A patch record beside a model that is not a patched one is not ours. (The loaders
+    read records for what to load: serialization.saved_record, patch_repo.is_patch_repo.)"""
     folder = Path(folder)
     try:
         with open(folder / "config.json", encoding="utf-8") as f:
             data = json.load(f)
-        patched = isinstance(data, dict) and CONFIG_KEY in data
+        patched = isinstance(data, dict) and isinstance(data.get(CONFIG_KEY), dict)
     except (OSError, ValueError):
         patched = False
     if patched:
