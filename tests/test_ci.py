@@ -19,6 +19,10 @@ VLLM_SUBSET = ('python3 -m pytest -m vllm tests/test_vllm.py -k documented or re
                'family_the_plugin or (rule_add_norm and llama) or (every_served_family and (llama or gemma3 or gpt2 or gpt_neox))')
 
 
+DOCS_SUBSET = ("python3 -m pytest -m docs tests/test_documented_commands.py -k README or diagnostics or parallel or "
+               "serving or studies")
+
+
 def readme_commands() -> list[str]:
     """The bash blocks at the top of README.md: (run the main job, run the tests)."""
     return re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S)[:2]
@@ -115,7 +119,8 @@ def requirements_after(calls: list[str], call: str) -> list[str]:
 def test_ci_passes_when_every_step_passes(tmp_path):
     result, calls = run_ci(tmp_path)
     assert result.returncode == 0, result.stderr
-    assert [c for c in calls if c.startswith("python3 -m pytest")] == ["python3 -m pytest", "python3 -m pytest -m core", VLLM_SUBSET]
+    assert [c for c in calls if c.startswith("python3 -m pytest")] == ["python3 -m pytest", "python3 -m pytest -m core", VLLM_SUBSET,
+                                                                       DOCS_SUBSET]
     # the two other environments get pyproject.toml's requirements (read independently here) ...
     oldest = next(c for c in calls if c.startswith("pip install -q -r") and "transformers==4.57.1" in c)
     assert requirements_after(calls, oldest) == requirements("test")
