@@ -442,3 +442,38 @@ def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loa
     expected = {"not json": "not a valid JSON file", "a number": "must be a JSON object (a model's config), got int",
                 "a string record": "field 'hf_tangent' must be a mapping, got str"}[config]
     assert err[-1].startswith("hf-tangent eval: error: ") and expected in err[-1], err[-1]
+
+
+def test_loading_a_saved_patched_folder_asks_nothing_on_stdin(tmp_path, monkeypatch):
+    """load_model (every command's --model) of a complete patched folder: transformers' AutoTokenizer read its
+    config.json, which names the folder's remote code, and asked "Do you wish to run the custom code? [y/N]" on
+    stdin (waiting 15 s on a terminal; reading a line of a pipe) although the tokenizer runs no code (older)."""
+    import builtins
+
+    model, tokenizer = tiny_smollm2_llama()
+    ht.patch(model, ht.TangentConfig(update="projected"))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "n")
+    loaded, loaded_tokenizer = ht.load_model(str(tmp_path / "m"))
+    assert not asked and ht.get_config(loaded) is not None
+    assert loaded_tokenizer.get_vocab() == tokenizer.get_vocab()
+
+
+def test_lm_eval_reads_a_model_folders_tokenizer_asking_nothing_on_stdin(tmp_path, monkeypatch):
+    """lm_eval's check that a --model_folders entry ships the same tokenizer asked the same question on stdin of a
+    complete patched folder (older)."""
+    import builtins
+
+    from hf_tangent.experiments.downstream import _check_vocabularies
+
+    model, tokenizer = tiny_smollm2_llama()
+    patched, _ = tiny_smollm2_llama()
+    ht.patch(patched, ht.TangentConfig(update="projected"))
+    patched.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "n")
+    _check_vocabularies(model, tokenizer, "base", [str(tmp_path / "m")])
+    assert not asked

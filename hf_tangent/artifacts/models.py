@@ -60,7 +60,9 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
                     f"hf_tangent: could not load model '{name}': it is not an offline name "
                     f"({', '.join(OFFLINE_MODELS)}), not a local folder, and the hub could not serve it ({err})."
                 ) from err
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        # a patched folder's config names its remote code: without trust_remote_code transformers asks on stdin (and
+        # waits 15 s); the tokenizer runs none, so it is not asked for
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=kwargs.get("trust_remote_code", False))
     if device:
         model.to(device)
     return model.eval(), tokenizer

@@ -330,7 +330,7 @@ def _check_vocabularies(model, tokenizer, name: str, model_folders) -> None:
             raise ValueError(f"{where} has a vocabulary of {vocab} tokens and the tokenizer {needed}; {accepted}.")
         if os.path.isfile(os.path.join(str(folder), "tokenizer_config.json")):
             try:
-                same = AutoTokenizer.from_pretrained(str(folder)).get_vocab() == tokenizer.get_vocab()
+                same = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False).get_vocab() == tokenizer.get_vocab()
             except (OSError, ValueError) as err:
                 raise ValueError(f"{where}: its tokenizer could not be read ({err}).") from None
             if not same:
