@@ -526,12 +526,13 @@ def test_a_patch_record_beside_someone_elses_model_is_not_ours(tiny_lm_folder, t
     assert snapshot(folder) == before
 
 
-@pytest.mark.parametrize("value", [None, "projected", [1], 3])
+@pytest.mark.parametrize("value", [None, "projected", [1], 3, {}, {"note": "mine"}])
 @pytest.mark.parametrize("writer", ["save_patch", "save_pretrained", "output_dir"])
 def test_a_model_folder_whose_config_has_a_key_named_like_ours_but_no_record_is_not_ours(tiny_lm_folder, tmp_path,
                                                                                        value, writer):
-    """Only a mapping under config.json's "hf_tangent" makes a model folder ours (a record the loader reads): a
-    review found 46aa916 (any value) replacing such a folder, the user's model.safetensors and config.json deleted."""
+    """Only a record under config.json's "hf_tangent" (a mapping holding the patch's config) makes a model folder
+    ours: a review found 46aa916 (any value) replacing such a folder, the user's model.safetensors and config.json
+    deleted; any mapping did (older: {} or {"note": "mine"})."""
     import shutil
 
     folder = shutil.copytree(tiny_lm_folder, tmp_path / "theirs")

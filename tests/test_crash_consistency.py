@@ -445,11 +445,11 @@ def test_an_output_dir_save_whose_stage_is_held_is_not_rolled_back_under_it(tmp_
     earlier, into = (tmp_path / f".out.hf_tangent-{state}-0123abcd" for state in ("earlier", "into"))
     earlier.mkdir()
     into.mkdir()
-    for name, text in (("config.json", '{"hf_tangent": {}, "v": "old"}'), ("model-00001-of-00002.safetensors", "old"),
+    for name, text in (("config.json", '{"hf_tangent": {"config": {}}, "v": "old"}'), ("model-00001-of-00002.safetensors", "old"),
                        ("model.safetensors.index.json", "old")):
         (earlier / name).write_text(text)
     (into / "model.safetensors").write_text("new")
-    (into / "config.json").write_text('{"hf_tangent": {}, "v": "new"}')
+    (into / "config.json").write_text('{"hf_tangent": {"config": {}}, "v": "new"}')
     (out / "README.md").write_text("new card")  # moved in before the kill
     holder = _holder(into)
     try:
@@ -472,9 +472,9 @@ def _output_dir_leftovers(tmp_path: Path, out: Path) -> None:
     earlier, into = (tmp_path / f".out.hf_tangent-{state}-0123abcd" for state in ("earlier", "into"))
     earlier.mkdir()
     into.mkdir()
-    (earlier / "config.json").write_text('{"hf_tangent": {}, "v": "old"}')
+    (earlier / "config.json").write_text('{"hf_tangent": {"config": {}}, "v": "old"}')
     (earlier / "model.safetensors").write_text("old")
-    (into / "config.json").write_text('{"hf_tangent": {}, "v": "killed"}')
+    (into / "config.json").write_text('{"hf_tangent": {"config": {}}, "v": "killed"}')
     (into / "model-00001-of-00002.safetensors").write_text("killed")
     (out / "README.md").write_text("killed card")
 
@@ -486,7 +486,7 @@ def test_a_save_killed_while_another_was_written_is_settled_before_that_one_move
     out = tmp_path / "out"
     (out / "checkpoint-1").mkdir(parents=True)
     with destinations.replacing(out) as staging:
-        (staging / "config.json").write_text('{"hf_tangent": {}, "v": "this"}')
+        (staging / "config.json").write_text('{"hf_tangent": {"config": {}}, "v": "this"}')
         (staging / "model.safetensors").write_text("this")
         _output_dir_leftovers(tmp_path, out)
     destinations.recover(out)  # the card stays: an output_dir's neighbour, which this save does not write
@@ -506,7 +506,7 @@ def test_a_save_inside_this_threads_own_stage_does_not_wait_for_itself(tmp_path)
         with destinations.replacing(tmp_path / "out") as outer:
             (outer / "README.md").write_text("card")
             with destinations.replacing(outer / "sub") as inner:
-                (inner / "config.json").write_text('{"hf_tangent": {}}')
+                (inner / "config.json").write_text('{"hf_tangent": {"config": {}}}')
         done.append(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")))
 
     thread = threading.Thread(target=nested, daemon=True)

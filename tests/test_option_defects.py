@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sweeps"))
 import option_walk as walk  # noqa: E402
@@ -418,9 +419,9 @@ def test_a_truncated_weights_file_is_one_error_line_not_a_traceback(tmp_path, ca
 @pytest.mark.parametrize("config", ["not json", "a number", "a string record", "a null record"])
 def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loaded_plain(tmp_path, capsys, config):
     """load_model reads a local folder's config.json as the loader does (serialization.saved_record; holds_record
-    went): a config.json that is not JSON or not an object is one `error:` line (a JSON number was a traceback), a
-    record that is not a mapping is refused by the patched folder's loader, not loaded as an unpatched model, and a
-    null record is no patch: the model loads as transformers loads it."""
+    went): a config.json that is not JSON or not an object is one `error:` line (a JSON number was a traceback), and
+    a record that is not a mapping, or null, is the patched folder's loader's to refuse, never loaded as an unpatched
+    model with its gates dropped (a review found 5c68edf loading the null one so)."""
     model, tokenizer = tiny_smollm2_llama()
     ht.patch(model, ht.TangentConfig(update="projected"))
     model.save_pretrained(tmp_path / "m")
@@ -435,12 +436,10 @@ def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loa
     code = cli.main(["eval", "--model", str(tmp_path / "m"), "--text_files", str(tmp_path / "t.txt"), "--updates",
                      "projected", "--output_dir", str(tmp_path / "out"), "--max_windows", "1", "--seq_len", "32"])
     err = capsys.readouterr().err.strip().splitlines()
-    if config == "a null record":
-        assert code == 0 and json.loads((tmp_path / "out" / "report.json").read_text())["rows"]
-        return
     assert code == 2 and "Traceback" not in "\n".join(err) and not (tmp_path / "out").exists()
     expected = {"not json": "not a valid JSON file", "a number": "must be a JSON object (a model's config), got int",
-                "a string record": "field 'hf_tangent' must be a mapping, got str"}[config]
+                "a string record": "field 'hf_tangent' must be a mapping, got str",
+                "a null record": "holds no hf_tangent patch (config.json has no 'hf_tangent' entry)"}[config]
     assert err[-1].startswith("hf-tangent eval: error: ") and expected in err[-1], err[-1]
 
 
@@ -477,3 +476,23 @@ def test_lm_eval_reads_a_model_folders_tokenizer_asking_nothing_on_stdin(tmp_pat
     monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "n")
     _check_vocabularies(model, tokenizer, "base", [str(tmp_path / "m")])
     assert not asked
+
+
+def test_a_peft_adapter_folder_without_config_json_still_loads_as_transformers_loads_it(tmp_path):
+    """load_model of a local folder with no config.json (a plain PEFT LoRA adapter folder) goes to transformers, which
+    loads the base and the adapter; a review found 5c68edf refusing it ("no config.json")."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, tokenizer = tiny_smollm2_llama()
+    base.save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # the adapter records where its base is
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "lora")
+    tokenizer.save_pretrained(tmp_path / "lora")
+    x = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        expected = lora(x).logits
+    model, _ = ht.load_model(str(tmp_path / "lora"))
+    with torch.no_grad():
+        assert torch.allclose(model(x).logits, expected, atol=1e-5)

@@ -8,6 +8,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
+from ..core.install import CONFIG_KEY
 from .checkpoints import (  # noqa: F401  (re-exported: the names users and recipes import from here)
     DEFAULT_MODEL,
     OFFLINE_MODELS,
@@ -45,7 +46,11 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
             source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
         elif os.path.isdir(name):
             try:
-                model = from_pretrained(name, **kwargs) if saved_record(name)[2] is not None else \
+                # a config.json that names a patch (even a null one) is hf_tangent's loader's to read or refuse; a
+                # folder without one (a PEFT adapter folder) is transformers'
+                config = os.path.join(name, "config.json")
+                patched = os.path.lexists(config) and CONFIG_KEY in saved_record(name)[1]
+                model = from_pretrained(name, **kwargs) if patched else \
                     AutoModelForCausalLM.from_pretrained(name, **kwargs)
             except SafetensorError as err:  # not an OSError: the command line would print a traceback
                 raise RuntimeError(f"hf_tangent: could not load model '{name}': a weights file is damaged ({err}).") from err

@@ -122,14 +122,15 @@ class DestinationError(ValueError):
 
 def artifact_kind(folder: str | os.PathLike) -> str | None:
     """"patch repo" or "patched folder" when `folder` is an artifact hf_tangent wrote (known by its
-    record: a mapping under config.json's CONFIG_KEY, or a patch repo's record file), else None: what a
-    writer may replace. A patch record beside a model that is not a patched one is not ours. (The loaders
-    read records for what to load: serialization.saved_record, patch_repo.is_patch_repo.)"""
+    record: a mapping with the patch's config under config.json's CONFIG_KEY, or a patch repo's record
+    file), else None: what a writer may replace. A patch record beside a model that is not a patched one
+    is not ours. (The loaders read records for what to load: serialization.saved_record, is_patch_repo.)"""
     folder = Path(folder)
     try:
         with open(folder / "config.json", encoding="utf-8") as f:
             data = json.load(f)
-        patched = isinstance(data, dict) and isinstance(data.get(CONFIG_KEY), dict)
+        record = data.get(CONFIG_KEY) if isinstance(data, dict) else None
+        patched = isinstance(record, dict) and isinstance(record.get("config"), dict)  # a record holds its config
     except (OSError, ValueError):
         patched = False
     if patched:
