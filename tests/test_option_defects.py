@@ -439,7 +439,7 @@ def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loa
     assert code == 2 and "Traceback" not in "\n".join(err) and not (tmp_path / "out").exists()
     expected = {"not json": "not a valid JSON file", "a number": "must be a JSON object (a model's config), got int",
                 "a string record": "field 'hf_tangent' must be a mapping, got str",
-                "a null record": "holds no hf_tangent patch (config.json has no 'hf_tangent' entry)"}[config]
+                "a null record": "holds no hf_tangent patch (config.json has no 'hf_tangent' entry, only null)"}[config]
     assert err[-1].startswith("hf-tangent eval: error: ") and expected in err[-1], err[-1]
 
 
@@ -496,3 +496,38 @@ def test_a_peft_adapter_folder_without_config_json_still_loads_as_transformers_l
     model, _ = ht.load_model(str(tmp_path / "lora"))
     with torch.no_grad():
         assert torch.allclose(model(x).logits, expected, atol=1e-5)
+
+
+def _custom_tokenizer_folder(path: Path) -> Path:
+    """A plain model folder whose tokenizer is code of its own (tokenizer_config.json's auto_map)."""
+    model, tokenizer = tiny_smollm2_llama()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "tokenization_custom.py").write_text("from transformers import PreTrainedTokenizerFast\n\n\n"
+                                                 "class CustomTok(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "CustomTok", "auto_map": {"AutoTokenizer": [None, "tokenization_custom.CustomTok"]}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_tokenizer_with_code_of_its_own_loads_as_its_owner_allows(tmp_path, monkeypatch):
+    """The review of c3b1507 (which read every tokenizer with trust_remote_code=False): a plain folder's tokenizer
+    with code of its own is transformers' to ask about again (the user answers y), and a patch repo's base tokenizer
+    runs its code when base_trust_remote_code=True says so, nothing asked (c3b1507 refused both, and for the patch
+    repo no argument got past it)."""
+    import builtins
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    folder = _custom_tokenizer_folder(tmp_path / "custom")
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "y")
+    _, tokenizer = ht.load_model(str(folder))
+    assert type(tokenizer).__name__ == "CustomTok" and len(asked) == 1
+    from transformers import AutoModelForCausalLM
+
+    model = ht.patch(AutoModelForCausalLM.from_pretrained(folder), ht.TangentConfig(update="projected"))
+    repo = ht.save_patch(model, tmp_path / "repo", base_model=str(folder))
+    asked.clear()
+    loaded, tokenizer = ht.load_model(str(repo), base_trust_remote_code=True)
+    assert type(tokenizer).__name__ == "CustomTok" and not asked and ht.get_config(loaded) is not None

@@ -39,11 +39,12 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
         model = load_offline(name, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(offline_folder(name))
     else:
-        source = name
+        source, trust = name, kwargs.get("trust_remote_code")  # the tokenizer's: transformers asks where None
         if os.path.isdir(name) and is_patch_repo(name):  # the tokenizer is the base's
             model = from_pretrained(name, **kwargs)
             base = read_record(name)["base"]["name_or_path"]
             source = str(offline_folder(base)) if base in OFFLINE_MODELS else base
+            trust = kwargs.get("base_trust_remote_code") or None
         elif os.path.isdir(name):
             try:
                 # a config.json that names a patch (even a null one) is hf_tangent's loader's to read or refuse; a
@@ -52,6 +53,8 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
                 patched = os.path.lexists(config) and CONFIG_KEY in saved_record(name)[1]
                 model = from_pretrained(name, **kwargs) if patched else \
                     AutoModelForCausalLM.from_pretrained(name, **kwargs)
+                if patched and trust is None:  # its config names the folder's remote code, which its tokenizer
+                    trust = False  # needs not: transformers would ask on stdin (15 s on a terminal)
             except SafetensorError as err:  # not an OSError: the command line would print a traceback
                 raise RuntimeError(f"hf_tangent: could not load model '{name}': a weights file is damaged ({err}).") from err
             except OSError as err:  # transformers' words for a damaged config.json or missing weights
@@ -65,9 +68,7 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: torch.dtype | str | None = N
                     f"hf_tangent: could not load model '{name}': it is not an offline name "
                     f"({', '.join(OFFLINE_MODELS)}), not a local folder, and the hub could not serve it ({err})."
                 ) from err
-        # a patched folder's config names its remote code: without trust_remote_code transformers asks on stdin (and
-        # waits 15 s); the tokenizer runs none, so it is not asked for
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=kwargs.get("trust_remote_code", False))
+        tokenizer = AutoTokenizer.from_pretrained(source, **({} if trust is None else {"trust_remote_code": trust}))
     if device:
         model.to(device)
     return model.eval(), tokenizer

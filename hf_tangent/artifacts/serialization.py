@@ -125,7 +125,8 @@ def _read_config(path: str | os.PathLike, **hub_kwargs) -> tuple[str, dict, dict
     if record is None:
         raise ValueError(
             f"hf_tangent.from_pretrained: {path!s} holds no hf_tangent patch (config.json has no "
-            f"'{CONFIG_KEY}' entry); load it with transformers' AutoModelForCausalLM.from_pretrained."
+            f"'{CONFIG_KEY}' entry{'' if CONFIG_KEY not in data else ', only null'}); load it with transformers' "
+            "AutoModelForCausalLM.from_pretrained."
         )
     record = _check_record(record, config_file)
     if data.get("model_type") not in (record["model_type"], PATCHED_TYPE_PREFIX + record["model_type"]):
