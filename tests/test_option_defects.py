@@ -416,17 +416,31 @@ def test_a_truncated_weights_file_is_one_error_line_not_a_traceback(tmp_path, ca
     assert err[-1].startswith("hf-tangent eval: error: " + expected), err[-1]
 
 
+def _saved_patched_folder(folder: Path):
+    """A tiny patched model saved with its tokenizer into `folder`: (folder, tokenizer)."""
+    model, tokenizer = tiny_smollm2_llama()
+    ht.patch(model, ht.TangentConfig(update="projected"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def _questions_on_stdin(monkeypatch, answer: str) -> list:
+    """What is asked on stdin from here on (each question answered `answer`)."""
+    import builtins
+
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or answer)
+    return asked
+
+
 @pytest.mark.parametrize("config", ["not json", "a number", "a string record", "a null record"])
 def test_a_damaged_config_json_is_one_error_line_and_a_damaged_record_is_not_loaded_plain(tmp_path, capsys, config):
     """load_model reads a local folder's config.json as the loader does (serialization.saved_record; holds_record
     went): a config.json that is not JSON or not an object is one `error:` line (a JSON number was a traceback), and
     a record that is not a mapping, or null, is the patched folder's loader's to refuse, never loaded as an unpatched
     model with its gates dropped (a review found 5c68edf loading the null one so)."""
-    model, tokenizer = tiny_smollm2_llama()
-    ht.patch(model, ht.TangentConfig(update="projected"))
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    path = tmp_path / "m" / "config.json"
+    path = _saved_patched_folder(tmp_path / "m")[0] / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     path.write_text({"not json": "{not json", "a number": "3",
                      "a string record": json.dumps({**data, "model_type": "llama", "hf_tangent": "projected"}),
@@ -447,15 +461,9 @@ def test_loading_a_saved_patched_folder_asks_nothing_on_stdin(tmp_path, monkeypa
     """load_model (every command's --model) of a complete patched folder: transformers' AutoTokenizer read its
     config.json, which names the folder's remote code, and asked "Do you wish to run the custom code? [y/N]" on
     stdin (waiting 15 s on a terminal; reading a line of a pipe) although the tokenizer runs no code (older)."""
-    import builtins
-
-    model, tokenizer = tiny_smollm2_llama()
-    ht.patch(model, ht.TangentConfig(update="projected"))
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    asked = []
-    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "n")
-    loaded, loaded_tokenizer = ht.load_model(str(tmp_path / "m"))
+    folder, tokenizer = _saved_patched_folder(tmp_path / "m")
+    asked = _questions_on_stdin(monkeypatch, "n")
+    loaded, loaded_tokenizer = ht.load_model(str(folder))
     assert not asked and ht.get_config(loaded) is not None
     assert loaded_tokenizer.get_vocab() == tokenizer.get_vocab()
 
@@ -463,18 +471,12 @@ def test_loading_a_saved_patched_folder_asks_nothing_on_stdin(tmp_path, monkeypa
 def test_lm_eval_reads_a_model_folders_tokenizer_asking_nothing_on_stdin(tmp_path, monkeypatch):
     """lm_eval's check that a --model_folders entry ships the same tokenizer asked the same question on stdin of a
     complete patched folder (older)."""
-    import builtins
-
     from hf_tangent.experiments.downstream import _check_vocabularies
 
     model, tokenizer = tiny_smollm2_llama()
-    patched, _ = tiny_smollm2_llama()
-    ht.patch(patched, ht.TangentConfig(update="projected"))
-    patched.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    asked = []
-    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "n")
-    _check_vocabularies(model, tokenizer, "base", [str(tmp_path / "m")])
+    folder, _ = _saved_patched_folder(tmp_path / "m")
+    asked = _questions_on_stdin(monkeypatch, "n")
+    _check_vocabularies(model, tokenizer, "base", [str(folder)])
     assert not asked
 
 
@@ -516,12 +518,9 @@ def test_a_tokenizer_with_code_of_its_own_loads_as_its_owner_allows(tmp_path, mo
     with code of its own is transformers' to ask about again (the user answers y), and a patch repo's base tokenizer
     runs its code when base_trust_remote_code=True says so, nothing asked (c3b1507 refused both, and for the patch
     repo no argument got past it)."""
-    import builtins
-
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = _custom_tokenizer_folder(tmp_path / "custom")
-    asked = []
-    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "y")
+    asked = _questions_on_stdin(monkeypatch, "y")
     _, tokenizer = ht.load_model(str(folder))
     assert type(tokenizer).__name__ == "CustomTok" and len(asked) == 1
     from transformers import AutoModelForCausalLM
