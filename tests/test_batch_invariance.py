@@ -15,7 +15,8 @@ from conftest import ARCHS, VOCAB, make_tiny
 
 import hf_tangent as ht
 from hf_tangent.core.fused import fused_residual_delta
-from hf_tangent.core.rules import noise_delta, residual_delta
+from hf_tangent.core.noise import noise_delta
+from hf_tangent.core.rules import residual_delta
 
 pytestmark = pytest.mark.core
 

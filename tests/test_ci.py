@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # .ci/run reads pyproject.toml with tomllib (CI's python3 is 3.11); on 3.10 it stops before running anything
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason=".ci/run needs Python 3.11+ (tomllib)")
-VLLM_SUBSET = ('python3 -m pytest -m vllm tests/test_vllm.py -k documented or refuses_what_the_vllm_backend or pre_03 or record_under or '
-               'family_the_plugin or (rule_add_norm and llama) or (every_served_family and (llama or gemma3 or gpt2 or gpt_neox))')
+VLLM_SUBSET = ('python3 -m pytest -m vllm tests/test_vllm.py -k documented or refuses_what_the_vllm_backend or vllm_args_with_the_hf_backend or pre_03 or '
+               'record_under or family_the_plugin or (rule_add_norm and llama) or (every_served_family and (llama or gemma3 or gpt2 or gpt_neox))')
 
 
 DOCS_SUBSET = ("python3 -m pytest -m docs tests/test_documented_commands.py -k README or diagnostics or parallel or "

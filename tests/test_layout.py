@@ -62,16 +62,17 @@ def test_no_native_code_is_built_or_loaded():
     assert not found, "native code built or loaded, or a program run, by the package:\n" + "\n".join(found)
 
 
-PACKAGE_ONLY = {"destinations.py", "discovery.py", "fused_parallel.py", "gather.py", "options.py", "patching.py", "triton_update.py"}  # core modules no saved folder ships
+PACKAGE_ONLY = {"destinations.py", "discovery.py", "fused_parallel.py", "gather.py", "options.py", "patching.py", "rules.py",
+                "triton_update.py"}  # core modules no saved folder ships
 
 
 def test_the_remote_code_is_the_part_of_the_core_a_patched_forward_needs():
     """The contract's core is hf_tangent/core; a patched folder ships the modules a patched forward needs (listed:
     a module added to core/ must be placed on one side), none of them names a module it does not ship (transformers
-    copies every relative import it finds, indented ones included), and together they stay under 1,800 lines
+    copies every relative import it finds, indented ones included), and together they stay under 1,700 lines
     (issue 59: 3,872, then 2,702 while patching.py was shipped, 2,367 with options.py and fused_parallel.py, 1,963
     with the saving config class and the registry's public side, 1,896 without, 1,772 with the package's own checks
-    of a user's model and its wrapper helpers moved out; the target is ~1,500)."""
+    of a user's model and its wrapper helpers moved out, 1,665 without the reference rules; the target is ~1,500)."""
     import re
 
     from hf_tangent.core.destinations import REMOTE_CODE_MODULES, REMOTE_GENERATED_FILES, SHIPPED_CORE_MODULES
@@ -88,7 +89,7 @@ def test_the_remote_code_is_the_part_of_the_core_a_patched_forward_needs():
         named = set(re.findall(r"^\s*(?:from \.(\w+) import|import \.(\w+)|from \. import (\w+))", text, flags=re.M))
         assert {f"{a or b or c}.py" for a, b, c in named} <= set(SHIPPED_CORE_MODULES), (name, named)
     lines = sum(len((core / name).read_text(encoding="utf-8").splitlines()) for name in SHIPPED_CORE_MODULES)
-    assert lines <= 1800, lines
+    assert lines <= 1700, lines
 
 
 def test_a_patched_folder_ships_exactly_the_listed_core(tiny_lm_folder, tmp_path):

@@ -7,7 +7,7 @@ import torch
 from conftest import layer_output, make_tiny, spec_of
 
 import hf_tangent as ht
-from hf_tangent.core.rules import noise_delta
+from hf_tangent.core.noise import noise_delta
 
 pytestmark = pytest.mark.core
 

@@ -172,3 +172,36 @@ def test_sharded_save_reloads_gates(tmp_path, ids):
     assert [c.gate.item() for c in ht.tangent_layers(reloaded) if c.gate is not None] == [0.5, 1.25]
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_folder_saved_with_the_reference_rules_runs_them_fused_without_hf_tangent(tmp_path, ids):
+    """The reference rules (rules.py) are the package's, not shipped: a folder whose record says
+    implementation='reference' is served by its remote code as the same rule in fused.py's form (float32
+    rounding apart), as implementation='triton' is; hf_tangent's own loader runs the reference itself."""
+    from conftest import logits_without_hf_tangent
+
+    config = ht.TangentConfig(update="retract", p=2.0, gates=True, implementation="reference")
+    model = save_patched("llama", tmp_path / "m", config)
+    assert not (tmp_path / "m" / "rules.py").exists() and (tmp_path / "m" / "noise.py").exists()
+    with torch.no_grad():
+        expected = model(ids).logits
+        reloaded = ht.from_pretrained(tmp_path / "m").eval()
+        assert ht.get_config(reloaded).implementation == "reference" and torch.equal(reloaded(ids).logits, expected)
+    torch.testing.assert_close(logits_without_hf_tangent(tmp_path / "m", ids, tmp_path), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("record", [None, "projected", ["config"], {"note": "mine"}])
+def test_a_patched_folder_whose_record_is_no_record_is_refused_by_its_remote_code(tmp_path, record):
+    """A patched folder (model_type hf_tangent_llama) whose config.json's 'hf_tangent' entry is not the saved record
+    is refused by its remote code. Before: null loaded the unpatched base with the gates dropped (transformers only
+    listed them as unexpected keys); a string or list crashed with a TypeError."""
+    from transformers import AutoModelForCausalLM
+
+    save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
+    data = json.loads((tmp_path / "m" / "config.json").read_text())
+    data["hf_tangent"] = record
+    (tmp_path / "m" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"this patched folder's config.json holds \w+ under 'hf_tangent'; accepted: "
+                                         r"the patch record hf_tangent saved \(a mapping with its 'config'\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)

@@ -634,3 +634,13 @@ def test_lm_eval_refuses_what_the_vllm_backend_cannot_take():
         ht.lm_eval("no-such-model", backend="vllm", vllm_args={1: True})
     with pytest.raises(ValueError, match=r"vllm_args \['dtype', 'seed'\] are set by lm_eval itself"):
         ht.lm_eval("no-such-model", backend="vllm", vllm_args={"dtype": "float16", "seed": 3})
+
+
+def test_the_lm_eval_command_refuses_vllm_args_with_the_hf_backend_before_asking_for_lm_eval(capsys):
+    """Where lm-eval is not installed (the vLLM environment) the command said lm-eval was missing before saying
+    what was wrong with its arguments; the arguments come first, as in the Python call."""
+    from hf_tangent import cli
+
+    assert cli.main(["lm-eval", "--model", "no-such-model", "--vllm_args", "enforce_eager=True"]) != 0
+    err = capsys.readouterr().err
+    assert "--vllm_args is for --backend vllm; with --backend hf pass none" in err, err

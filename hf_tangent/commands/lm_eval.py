@@ -44,6 +44,8 @@ def lm_eval_command(args) -> int:
     from ..integrations.harness.run import require_lm_eval
 
     model, run, options, vllm = dataclasses_of(args.parser, args)
+    if vllm.vllm_args is not None and options.backend == "hf":  # the arguments first, lm-eval installed or not
+        raise ValueError("--vllm_args is for --backend vllm; with --backend hf pass none.")
     require_lm_eval()  # before any model is loaded
     vllm_args = parse_vllm_args(vllm.vllm_args)
     preflight(run, output_dir=run.output_dir, device=run.device)

@@ -3,11 +3,11 @@ architecture table (registry.py) and its discovery (discovery.py), a patch put o
 the public operations (patching.py), wrappers, and where a writer may write (destinations.py).
 
 A patched folder ships part of it as remote code (`destinations.REMOTE_CODE_MODULES`: what a patched forward
-needs). The modules it does not ship (patching, options, discovery, destinations, gather, triton_update,
+needs). The modules it does not ship (patching, options, discovery, destinations, gather, rules, triton_update,
 fused_parallel) reach the shipped ones here, by registration: this file is not copied, so in remote code the
 shipped modules run without them."""
 
-from . import destinations, discovery, fused_parallel, install, layer
+from . import destinations, discovery, fused_parallel, install, layer, rules
 
 install.register_package(checked_spec=discovery.checked_spec, verify=discovery.verify_patch,
                           atomic_save=destinations.AtomicSave)
@@ -20,4 +20,5 @@ def _triton_kernel():
 
 
 layer.register_kernel("triton", _triton_kernel)
+layer.register_kernel("reference", lambda: rules.residual_delta)  # plain tensor ops: the package's reference
 layer.register_kernel("fused_parallel", lambda: fused_parallel.FusedParallelExecution)

@@ -77,13 +77,13 @@ ADAPTER_PEFT_TYPE = "HF_TANGENT"
 GATES_FILE = "gates.safetensors"  # a patch repo's gates (formats 1-2)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # format 3's gates (and a LoRA subfolder's weights)
 # What a patched folder carries as remote code: the core modules a patched forward needs (it patches from the saved
-# spec: no discovery, no write safety, no Triton kernel) and the two files hub.py generates.
+# spec: no discovery, no write safety, no Triton kernel, no reference rules) and the two files hub.py generates.
 REMOTE_GENERATED_FILES = ("configuration_hf_tangent.py", "modeling_hf_tangent.py")
-SHIPPED_CORE_MODULES = ("_version.py", "checks.py", "config.py", "fused.py", "install.py", "layer.py",
-                        "registry.py", "remote.py", "rules.py", "wrappers.py")
+SHIPPED_CORE_MODULES = ("_version.py", "checks.py", "config.py", "fused.py", "install.py", "layer.py", "noise.py",
+                        "registry.py", "remote.py", "wrappers.py")
 REMOTE_CODE_MODULES = (*SHIPPED_CORE_MODULES, *REMOTE_GENERATED_FILES)
 _EARLIER_REMOTE_CODE = ("calls.py", "destinations.py", "discovery.py", "fused_parallel.py", "options.py", "patching.py",
-                        "triton_update.py")  # earlier saves shipped these too
+                        "rules.py", "triton_update.py")  # earlier saves shipped these too
 logger = logging.getLogger("hf_tangent")
 
 # What an hf_tangent artifact (a patch repo, or a complete patched folder) is made of: replaced whole.

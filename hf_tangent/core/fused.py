@@ -6,8 +6,11 @@ model's dtype, plus the gate: no float32 copies, no intermediates. The backward 
 few per-token scalars it needs. Notation as in rules.py: per token, z = gate * y,
 p = <x, z>, q = ||x||^2 + eps, c = p / q, r = ||x||; G is the incoming gradient.
 
-Batch-invariant on a CPU, forward and backward, as rules.py: contiguous float32 rows (`as_rows`), sums as
-rules.dot's, so each row's bits do not depend on the rows beside it.
+Batch-invariant on a CPU, forward and backward: each row's result is the same bits whatever rows share the
+call (a decode step of one sequence or of 64, a prompt alone or in a batch). `as_rows` makes every input
+contiguous (torch sums a strided last dimension in another order) and `dot` sums one long row the way it sums
+each row of a batch; rules.py sums with the same helpers (tests/test_batch_invariance.py).
+Shipped as a patched folder's remote code; rules.py is not (its copy runs implementation='reference' as this).
 """
 
 from __future__ import annotations
@@ -16,13 +19,46 @@ import math
 
 import torch
 
-from .rules import _SPLIT, FLOAT32_TINY, as_rows, resolve_eps, retraction_angle
-from .rules import dot as _dot
+# torch's internal GRAIN_SIZE: a CPU reduction to one value over at least this many elements is split
+# across threads (a partial sum per thread), where each row of a batch is summed by one thread in one pass
+_SPLIT = 32768
+
+
+def as_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, contiguous (no copy where it already is): every row is then reduced in one order."""
+    return t.to(dtype).contiguous()
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> per row, (..., 1), in an order that does not depend on the number of rows."""
+    prod = a * b
+    if prod.numel() == prod.shape[-1] >= _SPLIT:  # one long row: summed as one of two rows, as in a batch
+        return prod.expand(2, *prod.shape).sum(-1, keepdim=True)[0]
+    return prod.sum(-1, keepdim=True)
+
+
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+def resolve_eps(x: torch.Tensor, eps: float, mode: str = "absolute") -> torch.Tensor | float:
+    """eps itself, or the relative form eps * ||x||^2 per token, (..., 1).
+
+    Per token, so that one token (a NaN, a zero state) cannot change another token's update; the
+    float32 floor keeps c = <x, y> / (||x||^2 + eps) = 0 (not 0/0) where x = 0.
+    """
+    if mode == "relative":
+        return (eps * dot(x, x)).clamp_min(FLOAT32_TINY).detach()
+    return eps
+
+
+def retraction_angle(t: torch.Tensor, p: float) -> torch.Tensor:
+    """theta_p(t) = p atan(t / p); p = inf is the exponential map theta = t."""
+    return t if math.isinf(p) else p * torch.atan(t / p)
 
 
 def _project_back(gv, x, z, c, q, beta):
     """Gradients (dz, dx) of w = z - beta c x with upstream gv, c = <x,z>/q, q = <x,x> + eps."""
-    gx_dot = _dot(gv, x)
+    gx_dot = dot(gv, x)
     dz = gv - beta * gx_dot * x / q
     dx = -beta * (c * gv + gx_dot * (z / q - 2.0 * c * x / q))
     return dz, dx
@@ -118,8 +154,8 @@ class _TangentUpdate(torch.autograd.Function):
         elif update == "zero":
             dz = torch.zeros_like(z)
         else:
-            q = _dot(xf, xf) + eps
-            c = _dot(xf, z) / q
+            q = dot(xf, xf) + eps
+            c = dot(xf, z) / q
             ga = alpha * g
             if update in ("projected", "soft"):
                 dz, dx = _project_back(ga, xf, z, c, q, beta if update == "soft" else 1.0)
@@ -130,7 +166,7 @@ class _TangentUpdate(torch.autograd.Function):
                 t = z - c * xf
                 nz, nt = z.norm(dim=-1, keepdim=True), t.norm(dim=-1, keepdim=True)
                 k = nz / (nt + eps)
-                gt_dot = _dot(ga, t)
+                gt_dot = dot(ga, t)
                 grad_t = k * ga - gt_dot * nz / (nt + eps) ** 2 * t / _safe(nt, nt > 0)
                 dz, dx = _project_back(grad_t, xf, z, c, q, 1.0)
                 dz = dz + gt_dot / (nt + eps) * z / _safe(nz, nz > 0)
@@ -151,7 +187,7 @@ class _TangentUpdate(torch.autograd.Function):
                 da_t = -dtheta * sin_over_t
                 db_t = torch.where(small, torch.full_like(t, series),
                                    (dtheta * torch.cos(theta) * ts - torch.sin(theta)) / ts**3)
-                g_x, g_v = _dot(g, xf), _dot(g, v)
+                g_x, g_v = dot(g, xf), dot(g, v)
                 dl_dt_over_t = g_x * da_t + g_v * db_t
                 dv = b * g + dl_dt_over_t * v / r2
                 dx = a * g - dl_dt_over_t * (t * t) * xf / r2

@@ -18,8 +18,8 @@ from torch import nn
 
 from .config import NOISE_UPDATES, TangentConfig
 from .fused import fused_residual_delta
+from .noise import noise_delta
 from .registry import ArchitectureSpec
-from .rules import noise_delta, residual_delta
 
 _ident = threading.get_ident
 
@@ -30,7 +30,7 @@ def call_key() -> int:
     return _ident()
 
 
-_KERNELS: dict = {}  # name -> the optional kernel: "triton" (a delta function), "fused_parallel" (its class)
+_KERNELS: dict = {}  # name -> the rule or class the package adds: "reference", "triton" (delta functions), "fused_parallel"
 _KERNEL_LOADERS: dict = {}  # name -> loader (hf_tangent/core/__init__.py; remote code ships none)
 
 
@@ -41,14 +41,10 @@ def register_kernel(name: str, loader) -> None:
 def _load(name: str):
     if name not in _KERNELS:
         if name not in _KERNEL_LOADERS:
-            raise ValueError("hf_tangent: implementation='triton' needs the installed hf_tangent; a saved folder's "
+            raise ValueError(f"hf_tangent: implementation={name!r} needs the installed hf_tangent; a saved folder's "
                              "remote code runs the same rule as implementation='fused'.")
         _KERNELS[name] = _KERNEL_LOADERS[name]()
     return _KERNELS[name]
-
-
-def _triton_rule(*args, **kwargs):
-    return _KERNELS["triton"](*args, **kwargs)  # loaded by TangentLayer.prepare
 
 
 class TangentLayer(nn.Module):
@@ -94,8 +90,9 @@ class TangentLayer(nn.Module):
             ("ffn_norm", parallel or self.applies_update),
             ("ffn_out", self.applies_update),
         ) if needed)
+        implementation = config.implementation
         self._rule = None if config.update in NOISE_UPDATES else functools.partial(
-            {"fused": fused_residual_delta, "reference": residual_delta}.get(config.implementation, _triton_rule),
+            fused_residual_delta if implementation == "fused" else _load(implementation),
             update=config.update, alpha=config.alpha, beta=config.beta, p=config.p, eps=config.eps,
             eps_mode=config.eps_mode)
         self._direct = False  # the FFN hook may call the rule itself (_refresh)
@@ -238,8 +235,6 @@ class TangentLayer(nn.Module):
         """Everything that can fail, before the model is touched."""
         self.spec, self.scale, self.exact_in_training = spec, spec.scale(layer), exact_in_training
         self._refresh()
-        if self.config.implementation == "triton":
-            _load("triton")
         # a folder's copy of the core has no fused_parallel.py: there the same layers run with the hooks (its
         # record, and what it refuses, stay those of parallel_execution="fused")
         if self.parallel and self.config.parallel_execution == "fused" and "fused_parallel" in _KERNEL_LOADERS:

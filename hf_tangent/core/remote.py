@@ -63,12 +63,15 @@ def init_patched(model, config) -> None:
     which cannot run there (meta weights; vLLM's attention needs the engine's forward context)."""
     if _INSTALLED is not None:
         return _INSTALLED(model, config)
-    record = getattr(config, CONFIG_KEY, None)
-    if record is None:
+    record = getattr(config, CONFIG_KEY, config)
+    if record is config:  # no entry: a model unpatched before it was saved through this code, loaded as it is
         return
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):  # never the base, gates dropped
+        raise ValueError(f"hf_tangent: this patched folder's config.json holds {type(record).__name__} under "
+                         f"'{CONFIG_KEY}'; accepted: the patch record hf_tangent saved (a mapping with its 'config').")
     fields = dict(record["config"])
-    if fields.get("implementation") == "triton":  # a CUDA kernel: the same rule as one autograd Function
-        fields["implementation"] = "fused"
+    if fields.get("implementation") in ("triton", "reference"):  # the package's forms (a CUDA kernel, plain tensor
+        fields["implementation"] = "fused"  # ops): the same rule as one autograd Function
     patch_saved(model, TangentConfig.from_dict(fields, strict=True))
     if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
         set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
