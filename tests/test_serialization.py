@@ -1,6 +1,7 @@
 """save_pretrained -> hf_tangent.from_pretrained, checked in a fresh process; mismatched folders."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,21 +188,62 @@ def test_a_folder_saved_with_the_reference_rules_runs_them_fused_without_hf_tang
         expected = model(ids).logits
         reloaded = ht.from_pretrained(tmp_path / "m").eval()
         assert ht.get_config(reloaded).implementation == "reference" and torch.equal(reloaded(ids).logits, expected)
+        # through transformers, with hf_tangent installed, the package runs the record (the first form of this
+        # change ran it as 'fused' there too, and a re-save recorded 'fused')
+        from transformers import AutoModelForCausalLM
+
+        remote = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+        assert ht.get_config(remote).implementation == "reference" and torch.equal(remote(ids).logits, expected)
     torch.testing.assert_close(logits_without_hf_tangent(tmp_path / "m", ids, tmp_path), expected,
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("record", [None, "projected", ["config"], {"note": "mine"}])
-def test_a_patched_folder_whose_record_is_no_record_is_refused_by_its_remote_code(tmp_path, record):
+NOT_A_RECORD = {"null": lambda r: None, "a string": lambda r: "projected", "a list": lambda r: ["config"],
+                "no config": lambda r: {"note": "mine"}, "a null config": lambda r: {**r, "config": None},
+                "a homotopy string": lambda r: {**r, "homotopy": "half"}, "a homotopy without lambda": lambda r: {**r, "homotopy": {}}}
+
+
+@pytest.mark.parametrize("edit", NOT_A_RECORD.values(), ids=NOT_A_RECORD.keys())
+def test_a_patched_folder_whose_record_is_no_record_is_refused_by_its_remote_code(tmp_path, edit):
     """A patched folder (model_type hf_tangent_llama) whose config.json's 'hf_tangent' entry is not the saved record
     is refused by its remote code. Before: null loaded the unpatched base with the gates dropped (transformers only
-    listed them as unexpected keys); a string or list crashed with a TypeError."""
+    listed them as unexpected keys); the other shapes crashed with a TypeError or KeyError."""
     from transformers import AutoModelForCausalLM
 
     save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
     data = json.loads((tmp_path / "m" / "config.json").read_text())
-    data["hf_tangent"] = record
+    data["hf_tangent"] = edit(data["hf_tangent"])
     (tmp_path / "m" / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"this patched folder's config.json holds \w+ under 'hf_tangent'; accepted: "
-                                         r"the patch record hf_tangent saved \(a mapping with its 'config'\)"):
+    with pytest.raises(ValueError, match=r"this patched model's config holds .* under 'hf_tangent'; accepted: the patch "
+                                         r"record hf_tangent saved \(a mapping whose 'config' is a mapping"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
+
+
+GATES_NOT_MADE = {"an empty config": lambda r: {**r, "config": {}},
+                  "gates false": lambda r: {**r, "config": {**r["config"], "gates": False}},
+                  "no entry": lambda r: ...}
+
+
+@pytest.mark.parametrize("edit", GATES_NOT_MADE.values(), ids=GATES_NOT_MADE.keys())
+def test_a_patched_folder_whose_weights_hold_gates_its_record_does_not_make_is_refused(tmp_path, edit):
+    """A record (or no entry) that makes no gate, beside weights that hold the gates: transformers drops them as
+    unexpected keys and the model loaded without them, silently; the generated class refuses it, with hf_tangent
+    installed and without."""
+    from transformers import AutoModelForCausalLM
+
+    save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
+    data = json.loads((tmp_path / "m" / "config.json").read_text())
+    record = edit(data.pop("hf_tangent"))
+    if record is not ...:
+        data["hf_tangent"] = record
+    (tmp_path / "m" / "config.json").write_text(json.dumps(data))
+    words = ("the weights of this patched folder hold 3 parameter(s) its patch record does not make "
+             "(model.layers.0.tangent_patch.gate, model.layers.1.tangent_patch.gate, model.layers.2.tangent_patch.gate), "
+             "which would be dropped")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
+    script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"
+              f"AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]

@@ -638,9 +638,12 @@ def test_lm_eval_refuses_what_the_vllm_backend_cannot_take():
 
 def test_the_lm_eval_command_refuses_vllm_args_with_the_hf_backend_before_asking_for_lm_eval(capsys):
     """Where lm-eval is not installed (the vLLM environment) the command said lm-eval was missing before saying
-    what was wrong with its arguments; the arguments come first, as in the Python call."""
+    what was wrong with its arguments; they come first, as in the Python call, for either backend."""
     from hf_tangent import cli
 
-    assert cli.main(["lm-eval", "--model", "no-such-model", "--vllm_args", "enforce_eager=True"]) != 0
-    err = capsys.readouterr().err
-    assert "--vllm_args is for --backend vllm; with --backend hf pass none" in err, err
+    for argv, words in ((["--vllm_args", "enforce_eager=True"], "vllm_args are for backend='vllm'; with backend='hf'"),
+                        (["--backend", "vllm", "--vllm_args", "dtype=float16"], "vllm_args ['dtype'] are set by lm_eval"),
+                        (["--backend", "vllm", "--vllm_args", "garbage"], "--vllm_args 'garbage': accepted: key=value")):
+        assert cli.main(["lm-eval", "--model", "no-such-model", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err

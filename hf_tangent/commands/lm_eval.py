@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..experiments.downstream import lm_eval
+from ..experiments.downstream import check_backend, lm_eval
 from .arguments import Checked, ModelArguments, RunArguments, add_command, dataclasses_of, options_dataclass, preflight
 
 LmEvalArguments = options_dataclass(lm_eval, __name__, names=("tasks", "variants", "model_folders", "include_path",
@@ -20,15 +20,21 @@ class VllmArguments(Checked):
                 "e.g. enforce_eager=True,gpu_memory_utilization=0.3,max_model_len=512 (a CPU)"})
 
 
-def parse_vllm_args(text: str | None) -> dict | None:
-    """"key=value,key=value" as lm-eval parses its model_args (values as Python literals where they are)."""
+def vllm_arg_entries(text: str | None) -> dict | None:
+    """"key=value,key=value" as {key: value text}: the form checked, and the keys known, without lm-eval."""
     if text is None:
         return None
-    entries = [e for e in text.split(",") if e.strip()]
-    bad = [e for e in entries if "=" not in e or not e.split("=", 1)[0].strip()]
-    if bad or not entries:
+    entries = [e.split("=", 1) for e in text.split(",") if e.strip()]
+    if not entries or any(len(e) != 2 or not e[0].strip() for e in entries):
         raise ValueError(f"--vllm_args {text!r}: accepted: key=value pairs separated by commas, "
                          "e.g. enforce_eager=True,gpu_memory_utilization=0.3")
+    return {key.strip(): value for key, value in entries}
+
+
+def parse_vllm_args(text: str | None) -> dict | None:
+    """The values as lm-eval parses its model_args (Python literals where they are)."""
+    if vllm_arg_entries(text) is None:
+        return None
     from lm_eval.utils import simple_parse_args_string
 
     return simple_parse_args_string(text)
@@ -44,8 +50,7 @@ def lm_eval_command(args) -> int:
     from ..integrations.harness.run import require_lm_eval
 
     model, run, options, vllm = dataclasses_of(args.parser, args)
-    if vllm.vllm_args is not None and options.backend == "hf":  # the arguments first, lm-eval installed or not
-        raise ValueError("--vllm_args is for --backend vllm; with --backend hf pass none.")
+    check_backend(options.backend, vllm_arg_entries(vllm.vllm_args))  # the arguments first, lm-eval installed or not
     require_lm_eval()  # before any model is loaded
     vllm_args = parse_vllm_args(vllm.vllm_args)
     preflight(run, output_dir=run.output_dir, device=run.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ._version import __version__
 from .config import TangentConfig
 from .install import CHILD_NAME, CONFIG_KEY, patch_saved, set_homotopy
+from .layer import _KERNEL_LOADERS
 
 
 def _installed():
@@ -66,26 +67,34 @@ def init_patched(model, config) -> None:
     record = getattr(config, CONFIG_KEY, config)
     if record is config:  # no entry: a model unpatched before it was saved through this code, loaded as it is
         return
-    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):  # never the base, gates dropped
-        raise ValueError(f"hf_tangent: this patched folder's config.json holds {type(record).__name__} under "
-                         f"'{CONFIG_KEY}'; accepted: the patch record hf_tangent saved (a mapping with its 'config').")
+    homotopy = record.get("homotopy") if isinstance(record, dict) else None
+    if not (isinstance(record, dict) and isinstance(record.get("config"), dict)
+            and (homotopy is None or isinstance(homotopy, dict) and "lambda" in homotopy)):  # never the base, gates dropped
+        raise ValueError(f"hf_tangent: this patched model's config holds {record!r:.80} under '{CONFIG_KEY}'; accepted: "
+                         "the patch record hf_tangent saved (a mapping whose 'config' is a mapping, and 'homotopy', if "
+                         "any, a mapping with a 'lambda').")
     fields = dict(record["config"])
-    if fields.get("implementation") in ("triton", "reference"):  # the package's forms (a CUDA kernel, plain tensor
-        fields["implementation"] = "fused"  # ops): the same rule as one autograd Function
+    implementation = fields.get("implementation")
+    if implementation == "triton" or implementation == "reference" and implementation not in _KERNEL_LOADERS:
+        fields["implementation"] = "fused"  # a CUDA kernel; the reference a folder's copy lacks: the same rule
     patch_saved(model, TangentConfig.from_dict(fields, strict=True))
-    if record.get("homotopy") is not None:  # a model saved mid-homotopy (heal)
-        set_homotopy(model, record["homotopy"]["lambda"], schedule=record["homotopy"].get("schedule"),
-                     steps=record["homotopy"].get("steps"))
+    if homotopy is not None:  # a model saved mid-homotopy (heal)
+        set_homotopy(model, homotopy["lambda"], schedule=homotopy.get("schedule"), steps=homotopy.get("steps"))
 
 
 def check_loaded(info: dict) -> None:
     """from_pretrained's loading info of a patched folder: a gate its weights did not hold is refused (transformers
-    only warns, and leaves the parameter as uninitialised memory)."""
-    for problem, keys in (("lack", info.get("missing_keys", ())),  # mismatched: with ignore_mismatched_sizes=True
-                          ("hold a mis-shaped", [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())])):
+    only warns, and leaves the parameter as uninitialised memory), and so is a gate its record does not make
+    (transformers drops it: the model would load without it)."""
+    uninitialised = ("of its patch", "which would be uninitialised memory")
+    for problem, keys, (what, result) in (
+            ("lack", info.get("missing_keys", ()), uninitialised),
+            ("hold", info.get("unexpected_keys", ()), ("its patch record does not make", "which would be dropped")),
+            ("hold a mis-shaped", [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())],
+             uninitialised)):  # mismatched: with ignore_mismatched_sizes=True
         ours = sorted(k for k in keys if f".{CHILD_NAME}." in k)
         if ours:
-            raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(ours)} parameter(s) of its "
-                             f"patch ({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}), which would be "
-                             "uninitialised memory; the folder is incomplete or was edited. Save it again from the "
-                             "patched model (save_pretrained, or hf_tangent.save_hub_folder).")
+            raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(ours)} parameter(s) {what} "
+                             f"({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}), {result}; the folder is "
+                             "incomplete or was edited. Save it again from the patched model (save_pretrained, or "
+                             "hf_tangent.save_hub_folder).")

@@ -77,7 +77,7 @@ def lm_eval(model: Model, tokenizer: Tokenizer = None, *, tasks: list[str] = TAS
             https://github.com/hf-tangent/hf_tangent/blob/main/docs/serving.md)
         vllm_args: keyword arguments of vllm.LLM (on a CPU: enforce_eager, gpu_memory_utilization, max_model_len)
     """
-    vllm_args = _check_backend(backend, vllm_args)  # the arguments first: the same error with lm-eval missing or not
+    vllm_args = check_backend(backend, vllm_args)  # the arguments first: the same error with lm-eval missing or not
     require_lm_eval()
     if include_path is not None and not os.path.isdir(include_path):  # lm-eval itself skips a missing folder silently
         raise ValueError(f"hf_tangent.lm_eval: include_path={include_path!r} is not a folder; accepted: a folder of "
@@ -195,7 +195,7 @@ def task_files(tasks, include_path) -> dict[str, str | None]:
 VLLM_ARGS_SET_HERE = ("model", "pretrained", "dtype", "seed", "batch_size", "tokenizer")
 
 
-def _check_backend(backend: str, vllm_args) -> dict | None:
+def check_backend(backend: str, vllm_args) -> dict | None:
     """The backend and vLLM's arguments, checked before any model is loaded."""
     if backend == "hf":
         if vllm_args is not None:
