@@ -568,3 +568,15 @@ def test_lm_evals_own_tasks_are_indexed_unless_only_shipped_tasks_are_asked_for(
     run.task_manager(str(tmp_path), tasks=["austen_lastword"])
     assert built == [(shipped + [str(tmp_path)], True)]
     run._task_manager.cache_clear()
+
+
+def test_vllm_args_from_the_command_line_are_read_as_lm_eval_reads_model_args_with_keys_stripped():
+    """Values as lm-eval's handle_arg_string reads them; a key after ', ' is the key (lm-eval's own parser kept
+    ' max_model_len', which vLLM refuses)."""
+    from hf_tangent.commands.lm_eval import parse_vllm_args
+
+    assert parse_vllm_args("enforce_eager=True, max_model_len=512,quantization='fp8',x=a=b") == {
+        "enforce_eager": True, "max_model_len": 512, "quantization": "fp8", "x": "a=b"}
+    assert parse_vllm_args(None) is None
+    with pytest.raises(ValueError, match=r"--vllm_args 'a=1,=2': accepted: key=value pairs separated by commas"):
+        parse_vllm_args("a=1,=2")

@@ -247,3 +247,19 @@ def test_a_patched_folder_whose_weights_hold_gates_its_record_does_not_make_is_r
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL, cwd=tmp_path)
     assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]
+
+
+def test_a_patched_folder_loads_with_fewer_layers_as_transformers_loads_its_base(tmp_path, ids):
+    """num_hidden_layers=2 on a 3-layer folder: transformers drops layer 2 whole, gate included, as for the base; the
+    check of gates the record does not make (3856fed) refused that load as an edited folder."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_tangent.core.remote
+
+    model = save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, num_hidden_layers=2)
+    gates = {child.index: child.gate.item() for child in ht.tangent_layers(loaded)}
+    assert gates == {child.index: child.gate.item() for child in ht.tangent_layers(model) if child.index < 2}
+    # the folder's copy hands its checks of a load to the installed release too, so they are the newest
+    copy = next(m for name, m in sys.modules.items() if name.startswith("transformers_modules.") and name.endswith(".remote"))
+    assert copy._INSTALLED is hf_tangent.core.remote

@@ -32,12 +32,13 @@ def vllm_arg_entries(text: str | None) -> dict | None:
 
 
 def parse_vllm_args(text: str | None) -> dict | None:
-    """The values as lm-eval parses its model_args (Python literals where they are)."""
-    if vllm_arg_entries(text) is None:
+    """The values as lm-eval parses its model_args (Python literals where they are), the keys stripped."""
+    entries = vllm_arg_entries(text)
+    if entries is None:
         return None
-    from lm_eval.utils import simple_parse_args_string
+    from lm_eval.utils import handle_arg_string
 
-    return simple_parse_args_string(text)
+    return {key: handle_arg_string(value) for key, value in entries.items()}
 
 
 def lm_eval_command_parser(subparsers):
