@@ -23,8 +23,9 @@ from .layer import _KERNEL_LOADERS
 def _installed():
     """The installed hf_tangent's copy of this module where it is this folder's release or a newer one: the model's
     patch is then that package's own, so every hf_tangent function works on it and its saves are staged (a
-    user's folder or the base refused), and its checks of a load are the newest. None where it is older, unreadable
-    or not installed: this copy patches the model, which saves the way transformers saves."""
+    user's folder or the base refused). None where it is older, unreadable or not installed: this copy patches the
+    model, which saves the way transformers saves. (`check_loaded` is always the copy's own: an installed release
+    of the same version number may be older, with another signature.)"""
     if __package__ == "hf_tangent.core":  # the package itself (the vLLM plugin imports this module)
         return None
     try:
@@ -87,8 +88,6 @@ def check_loaded(info: dict, model=None) -> None:
     only warns, and leaves the parameter as uninitialised memory), and so is a gate of a loaded layer that its
     record does not make (transformers drops it: the model would load without it; a layer a smaller
     num_hidden_layers leaves out is dropped whole, gate included, as transformers drops it)."""
-    if _INSTALLED is not None:
-        return _INSTALLED.check_loaded(info, model)
     uninitialised = ("of its patch", "which would be uninitialised memory")
     unexpected = [k for k in info.get("unexpected_keys", ()) if model is None or _has(model, k.split(f".{CHILD_NAME}.")[0])]
     for problem, keys, (what, result) in (
