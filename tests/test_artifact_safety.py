@@ -900,3 +900,30 @@ def test_a_patched_folders_config_builds_patched_models_every_time(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     layers = source.config.num_hidden_layers
     assert result.stdout.split("\n")[-2] == f"[{layers}, {layers}] True", result.stdout[-500:]
+
+
+def test_a_patched_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_lm_folder, tmp_path, ids):
+    """A complete folder of a LoRA-wrapped patched model held the LoRA layer names (q_proj.base_layer.weight,
+    lora_A...): transformers with trust_remote_code=True loaded q_proj with random weights, only warning. Every
+    complete save of a patched model refuses unmerged adapters (the folder untouched); merged, it loads exactly;
+    the adapters travel in the patch repo."""
+    from transformers import AutoModelForCausalLM
+
+    model = _healed(tiny_lm_folder)
+    writes = {"ht.save_pretrained": lambda f: ht.save_pretrained(model, f),
+              "ht.save_hub_folder": lambda f: ht.save_hub_folder(model, f),
+              "the patched model's save_pretrained": lambda f: model.base_model.model.save_pretrained(f)}
+    for name, write in writes.items():
+        folder = tmp_path / name
+        with pytest.raises(ValueError, match=r"save_pretrained: the model holds PEFT adapter layers \(Linear\) that are "
+                                             r"not merged into its weights; .* Accepted: merge them first"):
+            write(folder)
+        assert not folder.exists(), name
+    with torch.no_grad():
+        expected = model(ids).logits
+    merged = model.merge_and_unload()
+    ht.save_pretrained(merged, tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", trust_remote_code=True).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
+    assert ht.from_pretrained(ht.save_patch(_healed(tiny_lm_folder), tmp_path / "patch")) is not None
