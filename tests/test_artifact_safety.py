@@ -902,23 +902,29 @@ def test_a_patched_folders_config_builds_patched_models_every_time(tmp_path):
     assert result.stdout.split("\n")[-2] == f"[{layers}, {layers}] True", result.stdout[-500:]
 
 
-def test_a_patched_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_lm_folder, tmp_path, ids):
+def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_lm_folder, tmp_path, ids):
     """A complete folder of a LoRA-wrapped patched model held the LoRA layer names (q_proj.base_layer.weight,
-    lora_A...): transformers with trust_remote_code=True loaded q_proj with random weights, only warning. Every
-    complete save of a patched model refuses unmerged adapters (the folder untouched); merged, it loads exactly;
-    the adapters travel in the patch repo."""
+    lora_A...): transformers with trust_remote_code=True loaded q_proj with random weights, only warning. hf_tangent's
+    writers of a complete folder refuse unmerged adapter layers (LoRA, modules_to_save; patched or not), the folder
+    untouched; merged, it loads exactly; the adapters travel in the patch repo. The model's own save_pretrained (a
+    Trainer's checkpoint, which only has to resume) is not refused (bb18c5f refused it: a run with LoRA injected
+    into the patched model stopped at its first checkpoint)."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = _healed(tiny_lm_folder)
-    writes = {"ht.save_pretrained": lambda f: ht.save_pretrained(model, f),
-              "ht.save_hub_folder": lambda f: ht.save_hub_folder(model, f),
-              "the patched model's save_pretrained": lambda f: model.base_model.model.save_pretrained(f)}
+    saved = get_peft_model(base(tiny_lm_folder), LoraConfig(r=2, target_modules=["v_proj"], modules_to_save=["lm_head"]))
+    writes = {"save_pretrained": lambda f: ht.save_pretrained(model, f),
+              "save_hub_folder": lambda f: ht.save_hub_folder(model, f),
+              "save_pretrained (unpatched, modules_to_save)": lambda f: ht.save_pretrained(saved, f)}
     for name, write in writes.items():
         folder = tmp_path / name
-        with pytest.raises(ValueError, match=r"save_pretrained: the model holds PEFT adapter layers \(Linear\) that are "
-                                             r"not merged into its weights; .* Accepted: merge them first"):
+        with pytest.raises(ValueError, match=rf"hf_tangent.{name.split()[0]}: the model holds PEFT adapter layers "
+                                             r"\(.*Linear.*\), whose weights a complete folder would keep under PEFT's "
+                                             r"names.* Accepted: merge them first"):
             write(folder)
         assert not folder.exists(), name
+    model.base_model.model.save_pretrained(tmp_path / "checkpoint-1")  # what a Trainer's checkpoint calls
     with torch.no_grad():
         expected = model(ids).logits
     merged = model.merge_and_unload()

@@ -33,7 +33,7 @@ from ..core.registry import BASE_TYPE_ATTR, PATCHED_CLASS_PREFIX, PATCHED_TYPE_P
 from ..core.wrappers import unwrap
 from .checkpoints import OFFLINE_MODELS
 from .offline import needs_hub
-from .serialization import save_pretrained
+from .serialization import refuse_unmerged_adapters, save_pretrained
 
 CORE_PACKAGE = "hf_tangent.core"  # the package whose modules ship as remote code
 REMOTE_CONFIG_FILE, REMOTE_MODELING_FILE = REMOTE_GENERATED_FILES
@@ -228,6 +228,7 @@ def save_hub_folder(model, folder: str | os.PathLike, *, tokenizer=None, card: d
         raise ValueError("save_hub_folder expects a model patched with hf_tangent.patch.")
     if card is not None and not isinstance(card, dict):
         raise TypeError(f"hf_tangent.save_hub_folder: card= must be a dict, got {type(card).__name__}.")
+    refuse_unmerged_adapters(model, "hf_tangent.save_hub_folder")  # on every rank, before the collective
     base = unwrap(model)
     protected = [str(getattr(base.config, "_name_or_path", "") or ""), *protected]
     check_destination(folder, protected=protected, writer="hf_tangent.save_hub_folder")  # on every rank

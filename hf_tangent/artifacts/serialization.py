@@ -293,6 +293,7 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
     """`model.save_pretrained(folder)` that also takes a wrapped or sharded model (PEFT, DDP, FSDP1,
     FSDP2, ZeRO-3): the full state dict is gathered (every rank must call this) and rank 0 writes
     the folder, with the transformers class name (not FSDP2's subclass). Returns the folder on rank 0."""
+    refuse_unmerged_adapters(model, "hf_tangent.save_pretrained")  # on every rank, before the collective
     state = full_state_dict(model) if state_dict is None else state_dict  # collective
     if state is None:
         return None
@@ -303,6 +304,19 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
         save = AtomicSave(base)
     save(folder, state_dict=state, **kwargs)  # config.json names the class without FSDP2's in-place "FSDP" prefix
     return folder  # (transformers >= 4.57 strips it; a patched folder names its recorded base class)
+
+
+def refuse_unmerged_adapters(model, writer: str) -> None:
+    """A complete folder holds the model's own weights: PEFT's layers (LoRA's base_layer / lora_A, modules_to_save,
+    the tangent gates' holder) keep them under names no loader of a complete folder reads (transformers' remote code
+    loads such a layer with random weights, only warning). A Trainer's checkpoint (the model's own save_pretrained)
+    is not refused: it only has to resume."""
+    layers = sorted({type(m).__name__ for m in unwrap(model).modules() if hasattr(m, "merged_adapters")})
+    if layers:
+        raise ValueError(f"{writer}: the model holds PEFT adapter layers ({', '.join(layers)}), whose weights a complete "
+                         "folder would keep under PEFT's names, which its loaders do not read as the model's weights. "
+                         "Accepted: merge them first (peft_model.merge_and_unload()), or save the adapters with PEFT "
+                         "(peft_model.save_pretrained) or with the patch (hf_tangent.save_patch).")
 
 
 def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):

@@ -658,14 +658,6 @@ class AtomicSave:
         model = self.model
         own = type(model).save_pretrained
         writer = f"{type(model).__name__}.save_pretrained"
-        adapters = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "get_base_layer")
-                           and hasattr(m, "merged_adapters")})  # PEFT's tuner layers (BaseTunerLayer)
-        if adapters and not getattr(model, "_hf_peft_config_loaded", False):  # (else transformers saves the adapter)
-            raise ValueError(f"{writer}: the model holds PEFT adapter layers ({', '.join(adapters)}) that are not merged "
-                             "into its weights; a complete folder would keep them under names its loaders do not read "
-                             "(its remote code would load those layers with random weights). Accepted: merge them first "
-                             "(peft_model.merge_and_unload()), or save the adapters with the patch: "
-                             "hf_tangent.save_patch(peft_model, folder).")
         protected = [getattr(model.config, "_name_or_path", None)]
         try:  # the arguments as transformers' own signature binds them (is_main_process may be positional)
             bound = inspect.signature(own).bind(model, save_directory, *args, **kwargs).arguments
