@@ -787,8 +787,8 @@ def test_remote_code_refuses_a_patched_folder_whose_weights_lack_a_gate(tmp_path
     weights = load_file(folder / "model.safetensors")
     save_file({k: v for k, v in weights.items() if k != "model.layers.1.tangent_patch.gate"},
               folder / "model.safetensors", metadata={"format": "pt"})
-    words = ("the weights of this patched folder lack 1 parameter(s) of its patch (model.layers.1.tangent_patch.gate), "
-             "which would be uninitialised memory")
+    words = ("the weights of this patched folder lack 1 parameter(s) (model.layers.1.tangent_patch.gate), which would "
+             "be left uninitialised")
     with pytest.raises(ValueError, match=re.escape(words)):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"
@@ -800,7 +800,7 @@ def test_remote_code_refuses_a_patched_folder_whose_weights_lack_a_gate(tmp_path
     # it: the gate was uninitialised memory, 56.3 for 0.6) by the generated class
     save_file({**weights, "model.layers.1.tangent_patch.gate": torch.ones(2)}, folder / "model.safetensors",
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=re.escape("hold a mis-shaped 1 parameter(s) of its patch "
+    with pytest.raises(ValueError, match=re.escape("hold mis-shaped 1 parameter(s) "
                                                    "(model.layers.1.tangent_patch.gate)")):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, ignore_mismatched_sizes=True)
 
@@ -925,6 +925,11 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
             write(folder)
         assert not folder.exists(), name
     model.base_model.model.save_pretrained(tmp_path / "checkpoint-1")  # what a Trainer's checkpoint calls
+    # that folder keeps PEFT's names (q_proj.base_layer.weight): its remote code loaded q_proj and v_proj with fresh
+    # weights, only warning; it refuses every weight the folder lacks (a complete folder lacks none)
+    with pytest.raises(ValueError, match=re.escape("the weights of this patched folder lack 4 parameter(s) "
+                                                   "(model.layers.0.self_attn.q_proj.weight, ") + ".*merge_and_unload"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1", trust_remote_code=True)
     with torch.no_grad():
         expected = model(ids).logits
     merged = model.merge_and_unload()

@@ -237,9 +237,9 @@ def test_a_patched_folder_whose_weights_hold_gates_its_record_does_not_make_is_r
     if record is not ...:
         data["hf_tangent"] = record
     (tmp_path / "m" / "config.json").write_text(json.dumps(data))
-    words = ("the weights of this patched folder hold 3 parameter(s) its patch record does not make "
-             "(model.layers.0.tangent_patch.gate, model.layers.1.tangent_patch.gate, model.layers.2.tangent_patch.gate), "
-             "which would be dropped")
+    words = ("the weights of this patched folder hold 3 parameter(s) (model.layers.0.tangent_patch.gate, "
+             "model.layers.1.tangent_patch.gate, model.layers.2.tangent_patch.gate), which would be dropped: its patch "
+             "record does not make them")
     with pytest.raises(ValueError, match=re.escape(words)):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
     script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"

@@ -90,9 +90,8 @@ class TangentLayer(nn.Module):
             ("ffn_norm", parallel or self.applies_update),
             ("ffn_out", self.applies_update),
         ) if needed)
-        implementation = config.implementation
         self._rule = None if config.update in NOISE_UPDATES else functools.partial(
-            fused_residual_delta if implementation == "fused" else _load(implementation),
+            fused_residual_delta if config.implementation == "fused" else _load(config.implementation),
             update=config.update, alpha=config.alpha, beta=config.beta, p=config.p, eps=config.eps,
             eps_mode=config.eps_mode)
         self._direct = False  # the FFN hook may call the rule itself (_refresh)

@@ -21,7 +21,7 @@ from .layer import _KERNEL_LOADERS
 
 
 def _installed():
-    """The installed hf_tangent's copy of this module where it is this folder's release or a newer one: the model's
+    """The installed hf_tangent's `init_patched` where it is this folder's release or a newer one: the model's
     patch is then that package's own, so every hf_tangent function works on it and its saves are staged (a
     user's folder or the base refused). None where it is older, unreadable or not installed: this copy patches the
     model, which saves the way transformers saves. (`check_loaded` is always the copy's own: an installed release
@@ -35,7 +35,7 @@ def _installed():
 
         if Version(hf_tangent.core._version.__version__) < Version(__version__):
             return None
-        return hf_tangent.core.remote
+        return hf_tangent.core.remote.init_patched
     except Exception:  # not installed, or a release this copy cannot read: the copy's own behaviour
         return None
 
@@ -64,7 +64,7 @@ def init_patched(model, config) -> None:
     from_pretrained then fills) from the spec the record saved (verified when it was saved): no probe forward,
     which cannot run there (meta weights; vLLM's attention needs the engine's forward context)."""
     if _INSTALLED is not None:
-        return _INSTALLED.init_patched(model, config)
+        return _INSTALLED(model, config)
     record = getattr(config, CONFIG_KEY, config)
     if record is config:  # no entry: a model unpatched before it was saved through this code, loaded as it is
         return
@@ -84,23 +84,27 @@ def init_patched(model, config) -> None:
 
 
 def check_loaded(info: dict, model=None) -> None:
-    """from_pretrained's loading info of a patched folder: a gate its weights did not hold is refused (transformers
-    only warns, and leaves the parameter as uninitialised memory), and so is a gate of a loaded layer that its
-    record does not make (transformers drops it: the model would load without it; a layer a smaller
-    num_hidden_layers leaves out is dropped whole, gate included, as transformers drops it)."""
-    uninitialised = ("of its patch", "which would be uninitialised memory")
-    unexpected = [k for k in info.get("unexpected_keys", ()) if model is None or _has(model, k.split(f".{CHILD_NAME}.")[0])]
-    for problem, keys, (what, result) in (
-            ("lack", info.get("missing_keys", ()), uninitialised),
-            ("hold", unexpected, ("its patch record does not make", "which would be dropped")),
-            ("hold a mis-shaped", [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())],
-             uninitialised)):  # mismatched: with ignore_mismatched_sizes=True
-        ours = sorted(k for k in keys if f".{CHILD_NAME}." in k)
-        if ours:
-            raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(ours)} parameter(s) {what} "
-                             f"({', '.join(ours[:3])}{', ...' if len(ours) > 3 else ''}), {result}; the folder is "
-                             "incomplete or was edited. Save it again from the patched model (save_pretrained, or "
-                             "hf_tangent.save_hub_folder).")
+    """from_pretrained's loading info of a patched folder, where transformers only warns: a weight the folder lacks
+    (left uninitialised: a gate, or a layer a model with unmerged PEFT adapters saved under PEFT's names), a gate of
+    a loaded layer that the record does not make (dropped; a layer a smaller num_hidden_layers leaves out is dropped
+    whole, as transformers drops it) and a mis-shaped gate (ignore_mismatched_sizes=True) are refused."""
+    def gates(keys):
+        return [k for k in keys if f".{CHILD_NAME}." in k]
+
+    for problem, keys, result in (
+            ("lack", info.get("missing_keys", ()), "left uninitialised"),
+            ("hold", [k for k in gates(info.get("unexpected_keys", ()))
+                      if model is None or _has(model, k.split(f".{CHILD_NAME}.")[0])],
+             "dropped: its patch record does not make them"),
+            ("hold mis-shaped", gates(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())),
+             "left uninitialised")):
+        if keys:
+            keys = sorted(keys)
+            raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(keys)} parameter(s) "
+                             f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), which would be {result}; "
+                             "the folder is incomplete or was edited, or was saved from a model holding unmerged PEFT "
+                             "adapter layers (merge them first: peft_model.merge_and_unload()). Save it again from the "
+                             "patched model (hf_tangent.save_pretrained, or hf_tangent.save_hub_folder).")
 
 
 def _has(model, path: str) -> bool:
