@@ -909,7 +909,7 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
     untouched; merged, it loads exactly; the adapters travel in the patch repo. The model's own save_pretrained (a
     Trainer's checkpoint, which only has to resume) is not refused (bb18c5f refused it: a run with LoRA injected
     into the patched model stopped at its first checkpoint)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = _healed(tiny_lm_folder)
@@ -919,11 +919,18 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
               "save_pretrained (unpatched, modules_to_save)": lambda f: ht.save_pretrained(saved, f)}
     for name, write in writes.items():
         folder = tmp_path / name
-        with pytest.raises(ValueError, match=rf"hf_tangent.{name.split()[0]}: the model holds PEFT adapter layers "
-                                             r"\(.*Linear.*\), whose weights a complete folder would keep under PEFT's "
+        with pytest.raises(ValueError, match=rf"hf_tangent.{name.split()[0]}: the model holds PEFT adapters "
+                                             r"\(.*Linear.*\), which a complete folder would keep under PEFT's "
                                              r"names.* Accepted: merge them first"):
             write(folder)
         assert not folder.exists(), name
+    # a learned prompt is no weight of the model: the folder loaded as the patched model without it (older)
+    prompted = get_peft_model(ht.patch(base(tiny_lm_folder), ht.TangentConfig(update="projected")),
+                              PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match=r"hf_tangent.save_pretrained: the model holds PEFT adapters "
+                                         r"\(PromptTuningConfig\), .* or leave out \(a learned prompt\)"):
+        ht.save_pretrained(prompted, tmp_path / "prompted")
+    assert not (tmp_path / "prompted").exists()
     model.base_model.model.save_pretrained(tmp_path / "checkpoint-1")  # what a Trainer's checkpoint calls
     # that folder keeps PEFT's names (q_proj.base_layer.weight): its remote code loaded q_proj and v_proj with fresh
     # weights, only warning; it refuses every weight the folder lacks (a complete folder lacks none)

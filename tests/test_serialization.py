@@ -258,3 +258,18 @@ def test_a_patched_folder_loads_with_fewer_layers_as_transformers_loads_its_base
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, num_hidden_layers=2)
     gates = {child.index: child.gate.item() for child in ht.tangent_layers(loaded)}
     assert gates == {child.index: child.gate.item() for child in ht.tangent_layers(model) if child.index < 2}
+
+
+def test_config_fields_given_as_keywords_apply_to_a_patched_folder(tmp_path, ids):
+    """ht.from_pretrained(folder, use_cache=False) raised a TypeError from the model's __init__ (the loader passes
+    the folder's config as an object, and transformers hands the remaining keywords to the model), although its
+    config= refusal says to pass config fields as keywords. They apply as transformers applies them; a layer count
+    the record was not saved for is refused, naming both."""
+    model = save_patched("llama", tmp_path / "m")
+    loaded = ht.from_pretrained(tmp_path / "m", use_cache=False, output_hidden_states=True, dtype=torch.float64)
+    assert loaded.config.use_cache is False and loaded.dtype == torch.float64
+    with torch.no_grad():
+        out = loaded(ids)
+        assert len(out.hidden_states) == 4 and torch.allclose(out.logits.float(), model(ids).logits, atol=1e-4)
+    with pytest.raises(ValueError, match="it was saved for 3 layers, the model has 2"):
+        ht.from_pretrained(tmp_path / "m", num_hidden_layers=2)

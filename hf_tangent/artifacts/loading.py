@@ -22,7 +22,8 @@ def from_pretrained(path: str | os.PathLike, *, model_class=None, base_model: st
     patch repo written by `save_patch` (the base is loaded from its own repo, then patched).
 
     `path` is the folder or hub id; `model_class` defaults to AutoModelForCausalLM; `kwargs` go to its `from_pretrained`
-    (dtype, device_map, attn_implementation, ...). Patch repos only: `base_model` loads the base from
+    (dtype, device_map, attn_implementation, ...; config fields such as use_cache=False apply to the folder's
+    config, as transformers applies them). Patch repos only: `base_model` loads the base from
     another id or a local mirror (`base_revision` its revision), `merge=True` merges LoRA adapters into
     the weights, `skip_base_check=True` loads onto a base whose weights and config are not compared
     with the record, `base_trust_remote_code=True` runs the code of the base the record names

@@ -144,9 +144,11 @@ def transformers_class(name):
     return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
 
 
-def _base_config(data: dict, record: dict, where: str, model_class):
+def _base_config(data: dict, record: dict, where: str, model_class, kwargs: dict):
     """The base model's transformers config from a patched-format config.json (its own model_type
-    and remote-code classes replaced by the base's), so the base class loads without remote code."""
+    and remote-code classes replaced by the base's), so the base class loads without remote code; the
+    keywords of `kwargs` that name config fields (use_cache=False) are taken out of it and applied, as
+    transformers applies them to a config it reads (from_pretrained's dtype stays from_pretrained's)."""
     from transformers import CONFIG_MAPPING
 
     base_type = record["model_type"]
@@ -159,7 +161,9 @@ def _base_config(data: dict, record: dict, where: str, model_class):
     fields = {k: v for k, v in data.items() if k != "auto_map"}
     fields["model_type"] = base_type
     fields["architectures"] = [record["base_architecture"]] if isinstance(record.get("base_architecture"), str) else None
-    return config_class.from_dict(fields)
+    config = config_class.from_dict(fields)
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("dtype", "torch_dtype") and hasattr(config, k)}
+    return config_class.from_dict({**fields, **given}) if given else config
 
 
 def _weight_files(path, **hub_kwargs) -> list[str]:
@@ -270,7 +274,8 @@ def load_patched_folder(path: str | os.PathLike, *, model_class=None, **kwargs):
         if "config" in kwargs:
             raise ValueError("hf_tangent.from_pretrained: config= is not accepted for a patched folder; its config "
                              "is the folder's own (pass config fields such as attn_implementation as keywords).")
-        kwargs = {**kwargs, "config": _base_config(data, record, where, model_class)}
+        kwargs = dict(kwargs)
+        kwargs["config"] = _base_config(data, record, where, model_class, kwargs)
     try:
         with _quiet_transformers_loading():
             model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -309,14 +314,18 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
 def refuse_unmerged_adapters(model, writer: str) -> None:
     """A complete folder holds the model's own weights: PEFT's layers (LoRA's base_layer / lora_A, modules_to_save,
     the tangent gates' holder) keep them under names no loader of a complete folder reads (transformers' remote code
-    loads such a layer with random weights, only warning). A Trainer's checkpoint (the model's own save_pretrained)
-    is not refused: it only has to resume."""
-    layers = sorted({type(m).__name__ for m in unwrap(model).modules() if hasattr(m, "merged_adapters")})
-    if layers:
-        raise ValueError(f"{writer}: the model holds PEFT adapter layers ({', '.join(layers)}), whose weights a complete "
-                         "folder would keep under PEFT's names, which its loaders do not read as the model's weights. "
-                         "Accepted: merge them first (peft_model.merge_and_unload()), or save the adapters with PEFT "
-                         "(peft_model.save_pretrained) or with the patch (hf_tangent.save_patch).")
+    loads such a layer with random weights, only warning), and a learned prompt (prompt tuning, prefix tuning) is
+    no weight of the model at all (the folder would load without it). A Trainer's checkpoint (the model's own
+    save_pretrained) is not refused: it only has to resume."""
+    found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "merged_adapters")}
+                   | {type(c).__name__ for m in model.modules() if isinstance(getattr(m, "peft_config", None), dict)
+                      for c in m.peft_config.values() if getattr(c, "is_prompt_learning", False)})
+    if found:
+        raise ValueError(f"{writer}: the model holds PEFT adapters ({', '.join(found)}), which a complete folder would "
+                         "keep under PEFT's names (layers its loaders do not read as the model's weights) or leave out "
+                         "(a learned prompt). Accepted: merge them first (peft_model.merge_and_unload(); a prompt cannot "
+                         "be merged), or save the adapters with PEFT (peft_model.save_pretrained) or with the patch "
+                         "(hf_tangent.save_patch).")
 
 
 def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):
