@@ -788,7 +788,7 @@ def test_remote_code_refuses_a_patched_folder_whose_weights_lack_a_gate(tmp_path
     save_file({k: v for k, v in weights.items() if k != "model.layers.1.tangent_patch.gate"},
               folder / "model.safetensors", metadata={"format": "pt"})
     words = ("the weights of this patched folder lack 1 parameter(s) (model.layers.1.tangent_patch.gate), which would "
-             "be left uninitialised")
+             "not be loaded (left as initialised)")
     with pytest.raises(ValueError, match=re.escape(words)):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"
@@ -909,7 +909,7 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
     untouched; merged, it loads exactly; the adapters travel in the patch repo. The model's own save_pretrained (a
     Trainer's checkpoint, which only has to resume) is not refused (bb18c5f refused it: a run with LoRA injected
     into the patched model stopped at its first checkpoint)."""
-    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    from peft import AdaptionPromptConfig, LoraConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = _healed(tiny_lm_folder)
@@ -921,7 +921,7 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
         folder = tmp_path / name
         with pytest.raises(ValueError, match=rf"hf_tangent.{name.split()[0]}: the model holds PEFT adapters "
                                              r"\(.*Linear.*\), which a complete folder would keep under PEFT's "
-                                             r"names.* Accepted: merge them first"):
+                                             r"names.* Accepted: merge LoRA-like adapters first"):
             write(folder)
         assert not folder.exists(), name
     # a learned prompt is no weight of the model: the folder loaded as the patched model without it (older)
@@ -931,6 +931,15 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
                                          r"\(PromptTuningConfig\), .* or leave out \(a learned prompt\)"):
         ht.save_pretrained(prompted, tmp_path / "prompted")
     assert not (tmp_path / "prompted").exists()
+    with pytest.raises(ValueError, match=r"hf_tangent.save_patch: the model holds a learned prompt \(PromptTuningConfig\)"):
+        ht.save_patch(prompted, tmp_path / "prompted")  # it wrote a repo that ht.from_pretrained then refused
+    assert not (tmp_path / "prompted").exists()
+    adapted = get_peft_model(ht.patch(base(tiny_lm_folder), ht.TangentConfig(update="projected")),
+                             AdaptionPromptConfig(task_type="CAUSAL_LM", adapter_len=2, adapter_layers=1))
+    with pytest.raises(ValueError, match=r"hf_tangent.save_hub_folder: the model holds PEFT adapters "
+                                         r"\(AdaptionPromptConfig\)"):  # it was written, with the adapter left out
+        ht.save_hub_folder(adapted, tmp_path / "adapted")
+    assert not (tmp_path / "adapted").exists()
     model.base_model.model.save_pretrained(tmp_path / "checkpoint-1")  # what a Trainer's checkpoint calls
     # that folder keeps PEFT's names (q_proj.base_layer.weight): its remote code loaded q_proj and v_proj with fresh
     # weights, only warning; it refuses every weight the folder lacks (a complete folder lacks none)

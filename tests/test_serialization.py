@@ -238,8 +238,8 @@ def test_a_patched_folder_whose_weights_hold_gates_its_record_does_not_make_is_r
         data["hf_tangent"] = record
     (tmp_path / "m" / "config.json").write_text(json.dumps(data))
     words = ("the weights of this patched folder hold 3 parameter(s) (model.layers.0.tangent_patch.gate, "
-             "model.layers.1.tangent_patch.gate, model.layers.2.tangent_patch.gate), which would be dropped: its patch "
-             "record does not make them")
+             "model.layers.1.tangent_patch.gate, model.layers.2.tangent_patch.gate), which would be dropped (the model "
+             "has no such parameter)")
     with pytest.raises(ValueError, match=re.escape(words)):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
     script = ("import sys; sys.modules['hf_tangent'] = None\nfrom transformers import AutoModelForCausalLM\n"
@@ -273,3 +273,57 @@ def test_config_fields_given_as_keywords_apply_to_a_patched_folder(tmp_path, ids
         assert len(out.hidden_states) == 4 and torch.allclose(out.logits.float(), model(ids).logits, atol=1e-4)
     with pytest.raises(ValueError, match="it was saved for 3 layers, the model has 2"):
         ht.from_pretrained(tmp_path / "m", num_hidden_layers=2)
+
+
+def test_config_keywords_apply_after_the_config_is_built_as_transformers_applies_them(tmp_path):
+    """ht.from_pretrained(neox_folder, rotary_pct=0.5) built the config with the keyword (GPT-NeoX derives
+    partial_rotary_factor from it in __init__ on transformers 4.x: 8 rotary dimensions), where transformers sets it
+    on the built config (4 dimensions): another model, silently. Each keyword gives what transformers gives the base
+    folder, a value or the same error."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny("gpt_neox_sequential").save_pretrained(tmp_path / "base")
+    save_patched("gpt_neox_sequential", tmp_path / "m", ht.TangentConfig(update="projected"))
+
+    def outcome(load, **kwargs):
+        try:
+            config = load(**kwargs).config
+        except Exception as err:
+            return type(err).__name__
+        return getattr(config, "partial_rotary_factor", None), getattr(config, "rotary_pct", None)
+
+    for kwargs in ({"rotary_pct": 0.5}, {"partial_rotary_factor": 0.5}):
+        expected = outcome(lambda **kw: AutoModelForCausalLM.from_pretrained(tmp_path / "base", **kw), **kwargs)
+        assert outcome(lambda **kw: ht.from_pretrained(tmp_path / "m", **kw), **kwargs) == expected, kwargs
+
+
+def test_a_patch_naming_layers_from_the_end_is_refused_with_another_layer_count(tmp_path):
+    """layers=[-1] on a 3-layer folder, loaded through its remote code with num_hidden_layers=2: layer 1 was patched,
+    which never was (without gates: silently; with gates: refused as an incomplete folder)."""
+    from transformers import AutoModelForCausalLM
+
+    for gates in (False, True):
+        save_patched("llama", tmp_path / f"m{gates}", ht.TangentConfig(update="projected", layers=[-1], gates=gates))
+        with pytest.raises(ValueError, match=re.escape("this patched folder was saved for 3 layers and its patch names "
+                                                       "layers from the end (layers=[-1], parallel_layers=[])")):
+            AutoModelForCausalLM.from_pretrained(tmp_path / f"m{gates}", trust_remote_code=True, num_hidden_layers=2)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"m{gates}", trust_remote_code=True)
+        assert [child.index for child in ht.tangent_layers(loaded)] == [2]
+
+
+def test_a_folder_holding_weights_the_model_has_no_place_for_is_refused_by_its_remote_code(tmp_path, ids):
+    """LoRA on a tied lm_head, saved by the model's own save_pretrained as a .bin (what transformers' shared-tensor
+    error suggests): lm_head.weight is tied, so nothing is missing; the LoRA keys were only unexpected, and the
+    remote code loaded the model without the LoRA (logits off by 87.7 in review). Any weight the model has no place
+    for is refused now; a smaller num_hidden_layers still drops the layers it leaves out (the test above it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(ht.patch(make_tiny("gpt2"), ht.TangentConfig(update="projected")),
+                           LoraConfig(target_modules=["lm_head"], init_lora_weights=False))
+    try:
+        model.base_model.model.save_pretrained(tmp_path / "m", safe_serialization=False)
+    except Exception:  # transformers 5 saves safetensors only, and refuses the shared tensors itself
+        return
+    with pytest.raises(ValueError, match=re.escape("which would be dropped (the model has no such parameter)")):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)

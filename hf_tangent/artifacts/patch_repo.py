@@ -118,6 +118,13 @@ def lora_model_of(model):
     configs = getattr(peft, "peft_config", None) or {}
     if peft is None or all(c.peft_type == ADAPTER_PEFT_TYPE for c in configs.values()):
         return None
+    prompts = sorted(type(c).__name__ for c in configs.values()
+                     if getattr(c, "is_prompt_learning", False) or getattr(c, "is_adaption_prompt", False))
+    if prompts:  # adapter/ loads onto the patched base's layers; a prompt did not load back (refused, after the write)
+        raise ValueError(f"hf_tangent.save_patch: the model holds a learned prompt ({', '.join(prompts)}); a patch repo "
+                         "carries adapters in the model's layers (LoRA and the like). Accepted: save the prompt with "
+                         "PEFT (peft_model.save_pretrained) and load it onto ht.patch(base, cfg) with "
+                         "PeftModel.from_pretrained.")
     if peft_model_of(peft.get_base_model()) is not None:
         raise ValueError("hf_tangent.save_patch: a PEFT model around a PEFT model (LoRA on a tangent PeftModel); its "
                          "adapters would not load back. Train LoRA on ht.patch(model, cfg), or merge_and_unload() the "

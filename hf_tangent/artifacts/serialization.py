@@ -163,7 +163,7 @@ def _base_config(data: dict, record: dict, where: str, model_class, kwargs: dict
     fields["architectures"] = [record["base_architecture"]] if isinstance(record.get("base_architecture"), str) else None
     config = config_class.from_dict(fields)
     given = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("dtype", "torch_dtype") and hasattr(config, k)}
-    return config_class.from_dict({**fields, **given}) if given else config
+    return config_class.from_dict(fields, **given) if given else config  # (after __init__: rotary_pct stays 0.25)
 
 
 def _weight_files(path, **hub_kwargs) -> list[str]:
@@ -314,18 +314,18 @@ def save_pretrained(model, folder: str | os.PathLike, *, state_dict=None, **kwar
 def refuse_unmerged_adapters(model, writer: str) -> None:
     """A complete folder holds the model's own weights: PEFT's layers (LoRA's base_layer / lora_A, modules_to_save,
     the tangent gates' holder) keep them under names no loader of a complete folder reads (transformers' remote code
-    loads such a layer with random weights, only warning), and a learned prompt (prompt tuning, prefix tuning) is
-    no weight of the model at all (the folder would load without it). A Trainer's checkpoint (the model's own
-    save_pretrained) is not refused: it only has to resume."""
+    loads such a layer with random weights, only warning), and a learned prompt (prompt tuning, LLaMA-Adapter) is
+    no weight of the model (the folder would load without it): any adapter not merged and unloaded is refused.
+    A Trainer's checkpoint (the model's own save_pretrained) is not refused: it only has to resume."""
     found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "merged_adapters")}
                    | {type(c).__name__ for m in model.modules() if isinstance(getattr(m, "peft_config", None), dict)
-                      for c in m.peft_config.values() if getattr(c, "is_prompt_learning", False)})
+                      for c in m.peft_config.values()})
     if found:
         raise ValueError(f"{writer}: the model holds PEFT adapters ({', '.join(found)}), which a complete folder would "
                          "keep under PEFT's names (layers its loaders do not read as the model's weights) or leave out "
-                         "(a learned prompt). Accepted: merge them first (peft_model.merge_and_unload(); a prompt cannot "
-                         "be merged), or save the adapters with PEFT (peft_model.save_pretrained) or with the patch "
-                         "(hf_tangent.save_patch).")
+                         "(a learned prompt). Accepted: merge LoRA-like adapters first (peft_model.merge_and_unload()), "
+                         "or save the adapters with PEFT (peft_model.save_pretrained; LoRA also with "
+                         "hf_tangent.save_patch).")
 
 
 def from_config(config, tangent_config: TangentConfig, *, model_class=None, **kwargs):

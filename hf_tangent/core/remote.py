@@ -75,6 +75,13 @@ def init_patched(model, config) -> None:
                          "the patch record hf_tangent saved (a mapping whose 'config' is a mapping, and 'homotopy', if "
                          "any, a mapping with a 'lambda').")
     fields = dict(record["config"])
+    count, saved = getattr(config, "num_hidden_layers", None), record.get("num_layers")
+    if isinstance(count, int) and isinstance(saved, int) and count != saved and any(
+            isinstance(i, int) and i < 0 for name in ("layers", "parallel_layers")
+            for i in (fields[name] if isinstance(fields.get(name), list) else ())):
+        raise ValueError(f"hf_tangent: this patched folder was saved for {saved} layers and its patch names layers from "
+                         f"the end (layers={fields.get('layers')}, parallel_layers={fields.get('parallel_layers')}): "
+                         f"with {count} layers those would be other layers. Accepted: the saved num_hidden_layers.")
     implementation = fields.get("implementation")
     if implementation == "triton" or implementation == "reference" and implementation not in _KERNEL_LOADERS:
         fields["implementation"] = "fused"  # a CUDA kernel; the reference a folder's copy lacks: the same rule
@@ -84,32 +91,33 @@ def init_patched(model, config) -> None:
 
 
 def check_loaded(info: dict, model=None) -> None:
-    """from_pretrained's loading info of a patched folder, where transformers only warns: a weight the folder lacks
-    (left uninitialised: a gate, or a layer a model with unmerged PEFT adapters saved under PEFT's names), a gate of
-    a loaded layer that the record does not make (dropped; a layer a smaller num_hidden_layers leaves out is dropped
-    whole, as transformers drops it) and a mis-shaped gate (ignore_mismatched_sizes=True) are refused."""
-    def gates(keys):
-        return [k for k in keys if f".{CHILD_NAME}." in k]
-
+    """from_pretrained's loading info of a patched folder, where transformers only warns. A complete folder holds
+    exactly the model's weights: one it lacks (left as initialised: a gate, or a layer that a model with unmerged
+    PEFT adapters saved under PEFT's names), one the model has no place for (dropped: a gate the record does not
+    make, a PEFT layer of a tied lm_head) and a mis-shaped gate (ignore_mismatched_sizes=True) are refused. A layer
+    that a smaller num_hidden_layers leaves out is dropped whole, as transformers drops it for the base."""
+    unexpected = [k for k in info.get("unexpected_keys", ()) if model is None or not _left_out_layer(model, k)]
     for problem, keys, result in (
-            ("lack", info.get("missing_keys", ()), "left uninitialised"),
-            ("hold", [k for k in gates(info.get("unexpected_keys", ()))
-                      if model is None or _has(model, k.split(f".{CHILD_NAME}.")[0])],
-             "dropped: its patch record does not make them"),
-            ("hold mis-shaped", gates(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())),
-             "left uninitialised")):
+            ("lack", info.get("missing_keys", ()), "not be loaded (left as initialised)"),
+            ("hold", unexpected, "be dropped (the model has no such parameter)"),
+            ("hold mis-shaped", [k for k in (k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))
+                                 if f".{CHILD_NAME}." in k], "not be loaded (left as initialised)")):
         if keys:
             keys = sorted(keys)
             raise ValueError(f"hf_tangent: the weights of this patched folder {problem} {len(keys)} parameter(s) "
-                             f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), which would be {result}; "
-                             "the folder is incomplete or was edited, or was saved from a model holding unmerged PEFT "
-                             "adapter layers (merge them first: peft_model.merge_and_unload()). Save it again from the "
-                             "patched model (hf_tangent.save_pretrained, or hf_tangent.save_hub_folder).")
+                             f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), which would {result}: the "
+                             "folder is incomplete or was edited, was saved from a model holding unmerged PEFT adapters "
+                             "(merge them first: peft_model.merge_and_unload()), or this call's config keywords "
+                             "changed the model. Save it again from the patched model (hf_tangent.save_pretrained, or "
+                             "hf_tangent.save_hub_folder), or load it with the saved config.")
 
 
-def _has(model, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
+def _left_out_layer(model, key: str) -> bool:
+    """`key` lies under an entry of a ModuleList that the model does not have (num_hidden_layers smaller than saved)."""
+    module = model
+    for name in key.split(".")[:-1]:
+        child = module._modules.get(name)
+        if child is None:
+            return type(module).__name__ == "ModuleList" and name.isdigit()
+        module = child
+    return False
