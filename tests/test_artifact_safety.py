@@ -940,6 +940,11 @@ def test_a_model_with_unmerged_adapters_is_not_saved_as_a_complete_folder(tiny_l
                                          r"\(AdaptionPromptConfig\)"):  # it was written, with the adapter left out
         ht.save_hub_folder(adapted, tmp_path / "adapted")
     assert not (tmp_path / "adapted").exists()
+    # the tangent method merged and unloaded keeps its peft_config: written (a review found it refused for a while)
+    tangent = get_peft_model(base(tiny_lm_folder), ht.TangentPeftConfig(update="projected")).merge_and_unload()
+    with torch.no_grad():
+        assert torch.equal(ht.from_pretrained(ht.save_pretrained(tangent, tmp_path / "tangent"))(ids).logits,
+                           tangent(ids).logits)
     model.base_model.model.save_pretrained(tmp_path / "checkpoint-1")  # what a Trainer's checkpoint calls
     # that folder keeps PEFT's names (q_proj.base_layer.weight): its remote code loaded q_proj and v_proj with fresh
     # weights, only warning; it refuses every weight the folder lacks (a complete folder lacks none)

@@ -200,7 +200,10 @@ def test_a_folder_saved_with_the_reference_rules_runs_them_fused_without_hf_tang
 
 NOT_A_RECORD = {"null": lambda r: None, "a string": lambda r: "projected", "a list": lambda r: ["config"],
                 "no config": lambda r: {"note": "mine"}, "a null config": lambda r: {**r, "config": None},
-                "a homotopy string": lambda r: {**r, "homotopy": "half"}, "a homotopy without lambda": lambda r: {**r, "homotopy": {}}}
+                "a homotopy string": lambda r: {**r, "homotopy": "half"}, "a homotopy without lambda": lambda r: {**r, "homotopy": {}},
+                # (review: with another num_hidden_layers these loaded with other layers patched)
+                "no num_layers": lambda r: {k: v for k, v in r.items() if k != "num_layers"},
+                "a float num_layers": lambda r: {**r, "num_layers": 3.0}, "a bool num_layers": lambda r: {**r, "num_layers": True}}
 
 
 @pytest.mark.parametrize("edit", NOT_A_RECORD.values(), ids=NOT_A_RECORD.keys())
@@ -249,15 +252,19 @@ def test_a_patched_folder_whose_weights_hold_gates_its_record_does_not_make_is_r
     assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]
 
 
-def test_a_patched_folder_loads_with_fewer_layers_as_transformers_loads_its_base(tmp_path, ids):
-    """num_hidden_layers=2 on a 3-layer folder: transformers drops layer 2 whole, gate included, as for the base; the
-    check of gates the record does not make (3856fed) refused that load as an edited folder."""
+@pytest.mark.parametrize("layers", [None, [-1]])
+def test_a_patched_folder_is_refused_by_its_remote_code_with_another_layer_count(tmp_path, layers):
+    """num_hidden_layers=2 on a 3-layer folder: its record and gates describe the saved layers. layers=[-1] patched
+    layer 1, which never was (review; silently without gates); layers=None dropped layer 2 whole. Refused, as
+    hf_tangent.from_pretrained refuses it (the next test); the saved count loads."""
     from transformers import AutoModelForCausalLM
 
-    model = save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", gates=True))
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, num_hidden_layers=2)
-    gates = {child.index: child.gate.item() for child in ht.tangent_layers(loaded)}
-    assert gates == {child.index: child.gate.item() for child in ht.tangent_layers(model) if child.index < 2}
+    save_patched("llama", tmp_path / "m", ht.TangentConfig(update="projected", layers=layers, gates=True))
+    with pytest.raises(ValueError, match=re.escape("this patched model was saved with 3 layers and is built with 2 "
+                                                   "(num_hidden_layers)")):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, num_hidden_layers=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)
+    assert [child.index for child in ht.tangent_layers(loaded)] == ([2] if layers else [0, 1, 2])
 
 
 def test_config_fields_given_as_keywords_apply_to_a_patched_folder(tmp_path, ids):
@@ -297,25 +304,11 @@ def test_config_keywords_apply_after_the_config_is_built_as_transformers_applies
         assert outcome(lambda **kw: ht.from_pretrained(tmp_path / "m", **kw), **kwargs) == expected, kwargs
 
 
-def test_a_patch_naming_layers_from_the_end_is_refused_with_another_layer_count(tmp_path):
-    """layers=[-1] on a 3-layer folder, loaded through its remote code with num_hidden_layers=2: layer 1 was patched,
-    which never was (without gates: silently; with gates: refused as an incomplete folder)."""
-    from transformers import AutoModelForCausalLM
-
-    for gates in (False, True):
-        save_patched("llama", tmp_path / f"m{gates}", ht.TangentConfig(update="projected", layers=[-1], gates=gates))
-        with pytest.raises(ValueError, match=re.escape("this patched folder was saved for 3 layers and its patch names "
-                                                       "layers from the end (layers=[-1], parallel_layers=[])")):
-            AutoModelForCausalLM.from_pretrained(tmp_path / f"m{gates}", trust_remote_code=True, num_hidden_layers=2)
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"m{gates}", trust_remote_code=True)
-        assert [child.index for child in ht.tangent_layers(loaded)] == [2]
-
-
 def test_a_folder_holding_weights_the_model_has_no_place_for_is_refused_by_its_remote_code(tmp_path, ids):
     """LoRA on a tied lm_head, saved by the model's own save_pretrained as a .bin (what transformers' shared-tensor
     error suggests): lm_head.weight is tied, so nothing is missing; the LoRA keys were only unexpected, and the
     remote code loaded the model without the LoRA (logits off by 87.7 in review). Any weight the model has no place
-    for is refused now; a smaller num_hidden_layers still drops the layers it leaves out (the test above it)."""
+    for is refused now."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

@@ -106,7 +106,7 @@ class {cls}(_Base):
     @classmethod
     def from_pretrained(cls, *args, output_loading_info=False, **kwargs):  # a gate the weights lack is refused
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        check_loaded(info, model)
+        check_loaded(info)
         return (model, info) if output_loading_info else model
 '''
 

@@ -315,11 +315,12 @@ def refuse_unmerged_adapters(model, writer: str) -> None:
     """A complete folder holds the model's own weights: PEFT's layers (LoRA's base_layer / lora_A, modules_to_save,
     the tangent gates' holder) keep them under names no loader of a complete folder reads (transformers' remote code
     loads such a layer with random weights, only warning), and a learned prompt (prompt tuning, LLaMA-Adapter) is
-    no weight of the model (the folder would load without it): any adapter not merged and unloaded is refused.
+    no weight of the model (the folder would load without it).
     A Trainer's checkpoint (the model's own save_pretrained) is not refused: it only has to resume."""
-    found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "merged_adapters")}
+    found = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "merged_adapters")}  # in the layers
                    | {type(c).__name__ for m in model.modules() if isinstance(getattr(m, "peft_config", None), dict)
-                      for c in m.peft_config.values()})
+                      for c in m.peft_config.values()  # beside them (merge_and_unload leaves the tangent method's)
+                      if getattr(c, "is_prompt_learning", False) or getattr(c, "is_adaption_prompt", False)})
     if found:
         raise ValueError(f"{writer}: the model holds PEFT adapters ({', '.join(found)}), which a complete folder would "
                          "keep under PEFT's names (layers its loaders do not read as the model's weights) or leave out "

@@ -225,14 +225,21 @@ if "_patching" not in vars(TangentConfig):  # transformers 4.x: a folder of the 
 
 
 # ----------------------------------------------------------------------------- applying a patch
-def patch_saved(model, config: TangentConfig):
+def patch_saved(model, config: TangentConfig, num_layers: int):
     """`patch` without the verification probe, for a model built from a saved patch record (verified when it
     was saved) inside an engine where a probe forward cannot run: vLLM's Transformers backend, whose
     attention needs the engine's forward context. The spec must be known without a probe: the registry's, or
-    the one the saved record carries."""
-    if get_registered(model) is None:
+    the one the saved record carries; the model must have the `num_layers` layers the record was saved for (its
+    layers and gates are those layers': a smaller num_hidden_layers would patch others, layers=[-1] for one)."""
+    spec = get_registered(model)
+    if spec is None:
         raise ValueError(f"hf_tangent: {type(model).__name__} has no registry entry and no saved spec, so its "
                          "architecture must be discovered and verified by a probe forward, which cannot run here.")
+    count = len(spec.decoder_layers(model))
+    if count != num_layers:
+        raise ValueError(f"hf_tangent: this patched model was saved with {num_layers} layers and is built with {count} "
+                         "(num_hidden_layers): its patch record and gates describe the saved layers. Accepted: the saved "
+                         "layer count, as hf_tangent.from_pretrained accepts.")
     return _patch(model, config, verify=False)
 
 

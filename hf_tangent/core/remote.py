@@ -69,37 +69,29 @@ def init_patched(model, config) -> None:
     if record is config:  # no entry: a model unpatched before it was saved through this code, loaded as it is
         return
     homotopy = record.get("homotopy") if isinstance(record, dict) else None
-    if not (isinstance(record, dict) and isinstance(record.get("config"), dict)
+    if not (isinstance(record, dict) and isinstance(record.get("config"), dict) and type(record.get("num_layers")) is int
             and (homotopy is None or isinstance(homotopy, dict) and "lambda" in homotopy)):  # never the base, gates dropped
         raise ValueError(f"hf_tangent: this patched model's config holds {record!r:.80} under '{CONFIG_KEY}'; accepted: "
-                         "the patch record hf_tangent saved (a mapping whose 'config' is a mapping, and 'homotopy', if "
-                         "any, a mapping with a 'lambda').")
+                         "the patch record hf_tangent saved (a mapping whose 'config' is a mapping, 'num_layers' an "
+                         "integer, and 'homotopy', if any, a mapping with a 'lambda').")
     fields = dict(record["config"])
-    count, saved = getattr(config, "num_hidden_layers", None), record.get("num_layers")
-    if isinstance(count, int) and isinstance(saved, int) and count != saved and any(
-            isinstance(i, int) and i < 0 for name in ("layers", "parallel_layers")
-            for i in (fields[name] if isinstance(fields.get(name), list) else ())):
-        raise ValueError(f"hf_tangent: this patched folder was saved for {saved} layers and its patch names layers from "
-                         f"the end (layers={fields.get('layers')}, parallel_layers={fields.get('parallel_layers')}): "
-                         f"with {count} layers those would be other layers. Accepted: the saved num_hidden_layers.")
     implementation = fields.get("implementation")
     if implementation == "triton" or implementation == "reference" and implementation not in _KERNEL_LOADERS:
         fields["implementation"] = "fused"  # a CUDA kernel; the reference a folder's copy lacks: the same rule
-    patch_saved(model, TangentConfig.from_dict(fields, strict=True))
+    patch_saved(model, TangentConfig.from_dict(fields, strict=True), record["num_layers"])
     if homotopy is not None:  # a model saved mid-homotopy (heal)
         set_homotopy(model, homotopy["lambda"], schedule=homotopy.get("schedule"), steps=homotopy.get("steps"))
 
 
-def check_loaded(info: dict, model=None) -> None:
+def check_loaded(info: dict) -> None:
     """from_pretrained's loading info of a patched folder, where transformers only warns. A complete folder holds
-    exactly the model's weights: one it lacks (left as initialised: a gate, or a layer that a model with unmerged
-    PEFT adapters saved under PEFT's names), one the model has no place for (dropped: a gate the record does not
-    make, a PEFT layer of a tied lm_head) and a mis-shaped gate (ignore_mismatched_sizes=True) are refused. A layer
-    that a smaller num_hidden_layers leaves out is dropped whole, as transformers drops it for the base."""
-    unexpected = [k for k in info.get("unexpected_keys", ()) if model is None or not _left_out_layer(model, k)]
+    exactly the weights of the model it was saved from (init_patched refuses another layer count): one it lacks (left
+    as initialised: a gate, or a layer that a model with unmerged PEFT adapters saved under PEFT's names), one the
+    model has no place for (dropped: a gate the record does not make, a PEFT layer of a tied lm_head) and a mis-shaped
+    gate (ignore_mismatched_sizes=True) are refused."""
     for problem, keys, result in (
             ("lack", info.get("missing_keys", ()), "not be loaded (left as initialised)"),
-            ("hold", unexpected, "be dropped (the model has no such parameter)"),
+            ("hold", info.get("unexpected_keys", ()), "be dropped (the model has no such parameter)"),
             ("hold mis-shaped", [k for k in (k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))
                                  if f".{CHILD_NAME}." in k], "not be loaded (left as initialised)")):
         if keys:
@@ -110,14 +102,3 @@ def check_loaded(info: dict, model=None) -> None:
                              "(merge them first: peft_model.merge_and_unload()), or this call's config keywords "
                              "changed the model. Save it again from the patched model (hf_tangent.save_pretrained, or "
                              "hf_tangent.save_hub_folder), or load it with the saved config.")
-
-
-def _left_out_layer(model, key: str) -> bool:
-    """`key` lies under an entry of a ModuleList that the model does not have (num_hidden_layers smaller than saved)."""
-    module = model
-    for name in key.split(".")[:-1]:
-        child = module._modules.get(name)
-        if child is None:
-            return type(module).__name__ == "ModuleList" and name.isdigit()
-        module = child
-    return False
