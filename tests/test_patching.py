@@ -459,7 +459,7 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
         raise AssertionError("the probe ran")
 
     monkeypatch.setattr(ht.core.discovery, "require_verified", no_probe)
-    model = install.patch_saved(make_tiny("llama"), config)
+    model = install.patch_saved(make_tiny("llama"), config, 3)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
     assert ht.get_config(model) == ht.get_config(reference)
@@ -468,5 +468,5 @@ def test_patch_saved_is_patch_without_the_probe(ids, monkeypatch):
     phi3 = unseen(Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, pad_token_id=0)).eval()
     with pytest.raises(ValueError, match="UnseenPhi3ForCausalLM has no registry entry and no saved spec"):
-        install.patch_saved(phi3, config)
+        install.patch_saved(phi3, config, 2)
     assert ht.get_config(phi3) is None

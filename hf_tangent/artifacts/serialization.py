@@ -144,7 +144,7 @@ def transformers_class(name):
     return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
 
 
-def _base_config(data: dict, record: dict, where: str, model_class, kwargs: dict):
+def _base_config(data: dict, record: dict, where: str, model_class, kwargs: dict | None = None):
     """The base model's transformers config from a patched-format config.json (its own model_type
     and remote-code classes replaced by the base's), so the base class loads without remote code; the
     keywords of `kwargs` that name config fields (use_cache=False) are taken out of it and applied, as
@@ -162,7 +162,7 @@ def _base_config(data: dict, record: dict, where: str, model_class, kwargs: dict
     fields["model_type"] = base_type
     fields["architectures"] = [record["base_architecture"]] if isinstance(record.get("base_architecture"), str) else None
     config = config_class.from_dict(fields)
-    given = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("dtype", "torch_dtype") and hasattr(config, k)}
+    given = {k: kwargs.pop(k) for k in list(kwargs or ()) if k not in ("dtype", "torch_dtype") and hasattr(config, k)}
     return config_class.from_dict(fields, **given) if given else config  # (after __init__: rotary_pct stays 0.25)
 
 
